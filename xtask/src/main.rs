@@ -1,0 +1,90 @@
+//! `cargo xtask`: the one entry point for developer automation.
+//!
+//! - `ci`: everything CI checks, in order: fmt, clippy (`-D warnings`), tests, docs.
+//! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
+//!
+//! Tidy checks (crate docs, layering, no `anyhow` in libraries, no environment reads in
+//! libraries) are `#[test]`s in `tidy.rs`, so `cargo test` runs them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+#[cfg(test)]
+mod tidy;
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let task = args.next().unwrap_or_default();
+    let rest: Vec<String> = args.collect();
+    match task.as_str() {
+        "ci" => ci(),
+        "bench" => {
+            let mut a = vec!["bench", "-p", "benches"];
+            a.extend(rest.iter().map(String::as_str));
+            cargo(&a, &[])
+        }
+        "" | "help" | "-h" | "--help" => {
+            eprintln!("usage: cargo xtask <ci | bench [criterion args]>");
+            Ok(())
+        }
+        other => bail!("unknown task {other:?}; expected ci or bench"),
+    }
+}
+
+fn ci() -> Result<()> {
+    let started = std::time::Instant::now();
+    cargo(&["fmt", "--all", "--check"], &[])?;
+    cargo(
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    cargo(&["test", "--workspace", "--locked"], &[])?;
+    cargo(
+        &["doc", "--workspace", "--no-deps", "--locked"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
+    eprintln!("xtask ci: all checks passed in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+fn cargo(args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let status = Command::new("cargo")
+        .args(args)
+        .envs(envs.iter().copied())
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("failed to start cargo {}", args.join(" ")))?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+/// The workspace root (xtask lives one level below it).
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}

@@ -1,0 +1,206 @@
+//! Repository-wide invariants, checked as plain tests.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::root;
+
+/// Which workspace crates each crate may depend on (normal dependencies). Mirrors the
+/// layering of docs/architecture.md: siblings never depend on each other, only
+/// service-builder joins them, the app stands on service-builder.
+fn allowed_edges() -> BTreeMap<&'static str, &'static [&'static str]> {
+    const LEAF: &[&str] = &["kv-types"];
+    BTreeMap::from([
+        ("kv-types", &[][..]),
+        ("kv-events", LEAF),
+        ("kv-index", LEAF),
+        ("load-accounting", LEAF),
+        ("selection-policy", LEAF),
+        ("replica-sync", LEAF),
+        ("testkit", LEAF),
+        (
+            "service-builder",
+            &[
+                "kv-types",
+                "kv-events",
+                "kv-index",
+                "load-accounting",
+                "selection-policy",
+                "replica-sync",
+            ][..],
+        ),
+        (
+            "select-server",
+            &[
+                "service-builder",
+                "kv-types",
+                "selection-policy",
+                "replica-sync",
+            ][..],
+        ),
+    ])
+}
+
+/// Crates that may depend on anything (dev tooling, not shipped).
+const UNRESTRICTED: &[&str] = &["benches", "xtask", "examples", "custom-scorer"];
+
+fn metadata() -> Value {
+    let out = Command::new("cargo")
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(root())
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON")
+}
+
+struct Package {
+    name: String,
+    manifest_dir: PathBuf,
+    normal_deps: Vec<String>,
+    is_lib: bool,
+}
+
+fn packages() -> Vec<Package> {
+    let meta = metadata();
+    let members: BTreeSet<String> = meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["name"].as_str().map(str::to_owned))
+        .collect();
+    meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let manifest = PathBuf::from(p["manifest_path"].as_str().unwrap_or_default());
+            let normal_deps = p["dependencies"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|d| d["kind"].is_null())
+                .filter_map(|d| d["name"].as_str())
+                .map(str::to_owned)
+                .collect::<Vec<_>>();
+            let is_lib = p["targets"].as_array().into_iter().flatten().any(|t| {
+                t["kind"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|k| k == "lib")
+            });
+            let name = p["name"].as_str().unwrap_or_default().to_owned();
+            Package {
+                manifest_dir: manifest.parent().map(Path::to_path_buf).unwrap_or_default(),
+                normal_deps: normal_deps.into_iter().collect(),
+                is_lib,
+                name,
+            }
+        })
+        .filter(|p| members.contains(&p.name))
+        .collect()
+}
+
+fn is_library_crate(p: &Package) -> bool {
+    p.manifest_dir.starts_with(root().join("crates"))
+}
+
+#[test]
+fn every_lib_rs_starts_with_a_crate_doc() {
+    for p in packages().iter().filter(|p| p.is_lib) {
+        let lib = p.manifest_dir.join("src/lib.rs");
+        let text = std::fs::read_to_string(&lib).unwrap_or_default();
+        assert!(
+            text.starts_with("//!"),
+            "{} must start with a //! crate doc",
+            lib.display()
+        );
+    }
+}
+
+#[test]
+fn library_crates_do_not_use_anyhow() {
+    for p in packages().iter().filter(|p| is_library_crate(p)) {
+        assert!(
+            !p.normal_deps.iter().any(|d| d == "anyhow"),
+            "{} is a library and must return typed errors, not anyhow",
+            p.name
+        );
+    }
+}
+
+#[test]
+fn dependency_edges_follow_the_layering() {
+    let edges = allowed_edges();
+    let pkgs = packages();
+    let workspace: BTreeSet<&str> = pkgs.iter().map(|p| p.name.as_str()).collect();
+    for p in &pkgs {
+        if UNRESTRICTED.contains(&p.name.as_str()) {
+            continue;
+        }
+        let allowed = edges
+            .get(p.name.as_str())
+            .unwrap_or_else(|| panic!("crate {} is missing from the layering table", p.name));
+        for dep in p
+            .normal_deps
+            .iter()
+            .filter(|d| workspace.contains(d.as_str()))
+        {
+            assert!(
+                allowed.contains(&dep.as_str()),
+                "{} may not depend on {dep} (allowed: {allowed:?})",
+                p.name
+            );
+        }
+    }
+}
+
+#[test]
+fn no_environment_reads_under_crates() {
+    let mut offenders = Vec::new();
+    visit(&root().join("crates"), &mut |path| {
+        if path.extension().is_some_and(|e| e == "rs") {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            for needle in ["env::var(", "env::var_os(", "env::vars(", "env::vars_os("] {
+                if text.contains(needle) {
+                    offenders.push(format!("{}: {needle}", path.display()));
+                }
+            }
+        }
+    });
+    assert!(
+        offenders.is_empty(),
+        "only the app reads the environment: {offenders:#?}"
+    );
+}
+
+fn visit(dir: &Path, f: &mut dyn FnMut(&Path)) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            if path.file_name().is_some_and(|n| n == "target") {
+                continue;
+            }
+            visit(&path, f);
+        } else {
+            f(&path);
+        }
+    }
+}
