@@ -1,0 +1,687 @@
+//! The device-tier prefix trie of one partition (`spec/indexing.md` §2).
+
+use kv_types::{BlockHash, ExternalHash, StoredBlock, WorkerId, WorkerKey};
+use rustc_hash::FxHashMap;
+
+use crate::owners::Owners;
+
+/// Node id of the root (the empty prefix). Never pruned.
+const ROOT: u32 = 0;
+/// "No node" marker for `first_child` and for free slab entries' `parent`.
+const NONE: u32 = u32::MAX;
+
+/// One block position of the trie: a prefix of local hashes.
+///
+/// 48 bytes. The first child is kept inline because most nodes of a real tree are links of
+/// a chain: walking a chain then touches only the slab (nodes of one store are allocated
+/// next to each other), and only real branch points pay for a hash-map probe.
+#[derive(Clone, Debug)]
+struct Node {
+    local: u64,
+    /// Set by the store that created the node (first writer wins).
+    external: u64,
+    parent: u32,
+    first_child: u32,
+    n_children: u32,
+    /// Number of per-worker map entries pointing here. A node is only freed when nothing
+    /// can reach it any more, so a stale map entry can never alias a reused id.
+    refs: u32,
+    owners: Owners,
+}
+
+impl Node {
+    fn new(parent: u32, local: u64, external: u64) -> Self {
+        Node {
+            local,
+            external,
+            parent,
+            first_child: NONE,
+            n_children: 0,
+            refs: 0,
+            owners: Owners::default(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct WorkerState {
+    key: WorkerKey,
+    /// External hash → node, per the spec's per-worker block identity.
+    blocks: FxHashMap<ExternalHash, u32>,
+    /// Nodes whose owner set contains this slot (can exceed `blocks.len()` only when an
+    /// engine reuses an external hash for a different position).
+    owned: u32,
+}
+
+/// Result of applying one `Stored` to the primary.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum StoreOutcome {
+    /// At least one block was added or moved.
+    Applied,
+    /// Every block was already held at the same place (`duplicate_store` warning).
+    Duplicate,
+    /// No blocks: nothing to do.
+    Empty,
+    /// The parent hash is unknown to this worker or no longer owned: nothing applied.
+    ParentNotFound,
+}
+
+/// Result of applying one `Removed`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct RemoveOutcome {
+    /// Hashes that were known to the worker and are now forgotten.
+    pub removed: u32,
+    /// Hashes the worker did not have (`block_not_found`), skipped.
+    pub not_found: u32,
+}
+
+/// One worker key's prefix match.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct OverlapEntry {
+    pub worker: WorkerKey,
+    /// Length of the longest query prefix the worker holds contiguously from the root (≥ 1).
+    pub matched_blocks: u32,
+    /// External hash of the worker's last matched block.
+    pub last_external: ExternalHash,
+}
+
+/// Caller-owned answer buffer of [`PrefixIndex::find_matches`]: cleared and refilled by
+/// every query, so steady-state queries allocate nothing. Workers with no match are absent.
+/// Entries are in no particular order.
+#[derive(Clone, Debug, Default)]
+pub struct OverlapScores {
+    entries: Vec<OverlapEntry>,
+    /// Scratch: slots still matching at the current depth.
+    active: Vec<u32>,
+    /// Scratch: primary entries while the side index answers into `entries`.
+    spare: Vec<OverlapEntry>,
+}
+
+impl OverlapScores {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn entries(&self) -> &[OverlapEntry] {
+        &self.entries
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Matched blocks of `worker` (0 when absent). Linear: meant for tests and small sets.
+    pub fn score(&self, worker: WorkerKey) -> u32 {
+        self.entry(worker).map_or(0, |e| e.matched_blocks)
+    }
+
+    pub fn entry(&self, worker: WorkerKey) -> Option<&OverlapEntry> {
+        self.entries.iter().find(|e| e.worker == worker)
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
+    /// Merges another score set by per-worker max (the side index of §6). Workers only in
+    /// `other` are added.
+    pub fn merge_max(&mut self, other: &OverlapScores) {
+        for o in &other.entries {
+            match self.entries.iter_mut().find(|e| e.worker == o.worker) {
+                Some(e) if e.matched_blocks < o.matched_blocks => *e = *o,
+                Some(_) => {}
+                None => self.entries.push(*o),
+            }
+        }
+    }
+
+    /// Moves the current entries aside (into the spare buffer) before a second query.
+    pub(crate) fn stash(&mut self) {
+        self.spare.clear();
+        std::mem::swap(&mut self.entries, &mut self.spare);
+    }
+
+    /// Merges the stashed entries back by per-worker max; stashed entries win ties.
+    pub(crate) fn merge_stash(&mut self) {
+        for p in self.spare.drain(..) {
+            match self.entries.iter_mut().find(|e| e.worker == p.worker) {
+                Some(e) if e.matched_blocks <= p.matched_blocks => *e = p,
+                Some(_) => {}
+                None => self.entries.push(p),
+            }
+        }
+    }
+
+    /// Sorts entries by worker key (deterministic output for tests and responses).
+    pub fn sort_by_worker(&mut self) {
+        self.entries.sort_unstable_by_key(|e| e.worker);
+    }
+}
+
+/// Size figures of a [`PrefixIndex`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct PrefixIndexStats {
+    /// Live trie nodes (without the root).
+    pub nodes: usize,
+    /// (worker key, node) memberships.
+    pub memberships: usize,
+    /// Worker keys with state.
+    pub workers: usize,
+}
+
+/// The exact per-block prefix index of one partition's device tier.
+///
+/// Single-writer: wrap it (see [`crate::SharedKvIndex`]) to share it between tasks.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    /// Children other than a node's inline first child, keyed by (parent, local hash).
+    branches: FxHashMap<(u32, u64), u32>,
+    workers: Vec<Option<WorkerState>>,
+    slot_of: FxHashMap<WorkerKey, u32>,
+    free_slots: Vec<u32>,
+    live_nodes: usize,
+    memberships: usize,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PrefixIndex {
+    pub fn new() -> Self {
+        PrefixIndex {
+            nodes: vec![Node::new(NONE, 0, 0)],
+            free_nodes: Vec::new(),
+            branches: FxHashMap::default(),
+            workers: Vec::new(),
+            slot_of: FxHashMap::default(),
+            free_slots: Vec::new(),
+            live_nodes: 0,
+            memberships: 0,
+        }
+    }
+
+    pub fn stats(&self) -> PrefixIndexStats {
+        PrefixIndexStats {
+            nodes: self.live_nodes,
+            memberships: self.memberships,
+            workers: self.slot_of.len(),
+        }
+    }
+
+    /// Worker keys that currently have state, in no particular order.
+    pub fn worker_keys(&self) -> impl Iterator<Item = WorkerKey> + '_ {
+        self.slot_of.keys().copied()
+    }
+
+    /// Applies `Stored(worker, parent_hash, blocks)` (§2.1).
+    pub fn apply_stored(
+        &mut self,
+        worker: WorkerKey,
+        parent_hash: Option<ExternalHash>,
+        blocks: &[StoredBlock],
+    ) -> StoreOutcome {
+        if blocks.is_empty() {
+            return StoreOutcome::Empty;
+        }
+        let start = match parent_hash {
+            None => ROOT,
+            Some(parent) => {
+                let found = self.slot_of.get(&worker).and_then(|&slot| {
+                    let state = self.workers[slot as usize].as_ref()?;
+                    let node = *state.blocks.get(&parent)?;
+                    self.nodes[node as usize]
+                        .owners
+                        .contains(slot)
+                        .then_some(node)
+                });
+                match found {
+                    Some(node) => node,
+                    None => return StoreOutcome::ParentNotFound,
+                }
+            }
+        };
+        let slot = self.slot_for(worker);
+        let mut changed = false;
+        let mut cur = start;
+        for block in blocks {
+            let child = match self.child(cur, block.tokens_hash.0) {
+                Some(c) => c,
+                None => {
+                    changed = true;
+                    self.alloc_node(cur, block.tokens_hash.0, block.block_hash.0)
+                }
+            };
+            if self.nodes[child as usize].owners.insert(slot) {
+                changed = true;
+                self.memberships += 1;
+                if let Some(state) = self.workers[slot as usize].as_mut() {
+                    state.owned += 1;
+                }
+            }
+            let previous = self.workers[slot as usize]
+                .as_mut()
+                .and_then(|state| state.blocks.insert(block.block_hash, child));
+            if previous != Some(child) {
+                changed = true;
+                self.nodes[child as usize].refs += 1;
+                if let Some(old) = previous {
+                    self.nodes[old as usize].refs -= 1;
+                    self.prune(old);
+                }
+            }
+            cur = child;
+        }
+        if changed {
+            StoreOutcome::Applied
+        } else {
+            StoreOutcome::Duplicate
+        }
+    }
+
+    /// Applies `Removed(worker, hashes)` (§2.2): each hash independently, unknown skipped.
+    pub fn apply_removed(&mut self, worker: WorkerKey, hashes: &[ExternalHash]) -> RemoveOutcome {
+        let mut out = RemoveOutcome::default();
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            out.not_found = hashes.len() as u32;
+            return out;
+        };
+        for hash in hashes {
+            let node = self.workers[slot as usize]
+                .as_mut()
+                .and_then(|state| state.blocks.remove(hash));
+            let Some(node) = node else {
+                out.not_found += 1;
+                continue;
+            };
+            out.removed += 1;
+            let n = &mut self.nodes[node as usize];
+            n.refs -= 1;
+            if n.owners.remove(slot) {
+                self.memberships -= 1;
+                if let Some(state) = self.workers[slot as usize].as_mut() {
+                    state.owned -= 1;
+                }
+            }
+            self.prune(node);
+        }
+        out
+    }
+
+    /// `Cleared(worker)` / remove one rank: forgets everything of that worker key.
+    /// Returns whether the worker key had any state.
+    pub fn remove_worker_key(&mut self, worker: WorkerKey) -> bool {
+        let Some(slot) = self.slot_of.remove(&worker) else {
+            return false;
+        };
+        let Some(state) = self.workers[slot as usize].take() else {
+            return false;
+        };
+        let mut owned = state.owned;
+        for (_, node) in state.blocks {
+            let n = &mut self.nodes[node as usize];
+            n.refs -= 1;
+            if n.owners.remove(slot) {
+                owned -= 1;
+                self.memberships -= 1;
+            }
+            self.prune(node);
+        }
+        if owned > 0 {
+            // Ownership without a map entry only exists after an engine reused an external
+            // hash at another position; find the rest by a full scan (rare path).
+            for id in 1..self.nodes.len() {
+                let n = &mut self.nodes[id];
+                if n.parent != NONE && n.owners.remove(slot) {
+                    self.memberships -= 1;
+                    self.prune(id as u32);
+                }
+            }
+        }
+        self.free_slots.push(slot);
+        true
+    }
+
+    /// Removes every rank of `worker_id`. Returns the removed keys' count.
+    pub fn remove_worker_id(&mut self, worker_id: WorkerId) -> usize {
+        let keys: Vec<WorkerKey> = self
+            .slot_of
+            .keys()
+            .filter(|k| k.worker_id == worker_id)
+            .copied()
+            .collect();
+        for key in &keys {
+            self.remove_worker_key(*key);
+        }
+        keys.len()
+    }
+
+    /// Prefix-overlap scores of `query` per worker key (§2.4), written into `out`.
+    ///
+    /// One walk down the trie; the set of still-matching workers is narrowed at every depth
+    /// and the walk stops as soon as it is empty.
+    pub fn find_matches(&self, query: &[BlockHash], out: &mut OverlapScores) {
+        out.entries.clear();
+        out.active.clear();
+        let Some(first) = query.first() else {
+            return;
+        };
+        let Some(mut node) = self.child(ROOT, first.0) else {
+            return;
+        };
+        out.active
+            .extend_from_slice(self.nodes[node as usize].owners.as_slice());
+        let mut depth: u32 = 1;
+        for h in &query[1..] {
+            if out.active.is_empty() {
+                return;
+            }
+            let Some(next) = self.child(node, h.0) else {
+                break;
+            };
+            let owners = self.nodes[next as usize].owners.as_slice();
+            if owners != out.active.as_slice() {
+                let last_external = ExternalHash(self.nodes[node as usize].external);
+                let entries = &mut out.entries;
+                let workers = &self.workers;
+                retain_intersection(&mut out.active, owners, |slot| {
+                    if let Some(state) = workers[slot as usize].as_ref() {
+                        entries.push(OverlapEntry {
+                            worker: state.key,
+                            matched_blocks: depth,
+                            last_external,
+                        });
+                    }
+                });
+            }
+            node = next;
+            depth += 1;
+        }
+        let last_external = ExternalHash(self.nodes[node as usize].external);
+        for &slot in &out.active {
+            if let Some(state) = self.workers[slot as usize].as_ref() {
+                out.entries.push(OverlapEntry {
+                    worker: state.key,
+                    matched_blocks: depth,
+                    last_external,
+                });
+            }
+        }
+        out.active.clear();
+    }
+
+    /// Visits the tree as dump runs (§9.1): breadth-first, chains of nodes with identical
+    /// owner sets merged into one run, one call per worker covering the run, parents first.
+    /// Memberships a worker cannot reach from the root (after a mid-chain removal) are
+    /// skipped: they never contribute to a match and would be rejected on replay anyway.
+    pub(crate) fn for_each_run(
+        &self,
+        mut emit: impl FnMut(WorkerKey, Option<ExternalHash>, &[StoredBlock]),
+    ) {
+        let n = self.nodes.len();
+        // Children lists in CSR form, ordered by local hash for a deterministic dump.
+        let mut pairs: Vec<(u32, u64, u32)> = Vec::with_capacity(self.live_nodes);
+        for (id, node) in self.nodes.iter().enumerate().skip(1) {
+            if node.parent != NONE {
+                pairs.push((node.parent, node.local, id as u32));
+            }
+        }
+        pairs.sort_unstable();
+        let mut offsets = vec![0u32; n + 1];
+        for &(p, _, _) in &pairs {
+            offsets[p as usize + 1] += 1;
+        }
+        for i in 0..n {
+            offsets[i + 1] += offsets[i];
+        }
+        let children = |id: u32| {
+            let (a, b) = (offsets[id as usize], offsets[id as usize + 1]);
+            pairs[a as usize..b as usize].iter().map(|&(_, _, c)| c)
+        };
+
+        let mut queue: std::collections::VecDeque<(u32, Option<ExternalHash>, Vec<u32>)> =
+            children(ROOT).map(|c| (c, None, Vec::new())).collect();
+        let mut blocks: Vec<StoredBlock> = Vec::new();
+        let mut keys: Vec<(WorkerKey, u32)> = Vec::new();
+        while let Some((head, parent_ext, parent_reach)) = queue.pop_front() {
+            let owners = self.nodes[head as usize].owners.as_slice();
+            let reach: Vec<u32> = if parent_ext.is_none() {
+                owners.to_vec()
+            } else {
+                owners
+                    .iter()
+                    .copied()
+                    .filter(|s| parent_reach.binary_search(s).is_ok())
+                    .collect()
+            };
+            blocks.clear();
+            let mut cur = head;
+            loop {
+                let node = &self.nodes[cur as usize];
+                blocks.push(StoredBlock::new(
+                    ExternalHash(node.external),
+                    BlockHash(node.local),
+                ));
+                let mut kids = children(cur);
+                match (kids.next(), kids.next()) {
+                    (Some(only), None) if self.nodes[only as usize].owners.as_slice() == owners => {
+                        cur = only;
+                    }
+                    _ => break,
+                }
+            }
+            keys.clear();
+            keys.extend(
+                reach
+                    .iter()
+                    .filter_map(|&s| self.workers[s as usize].as_ref().map(|st| (st.key, s))),
+            );
+            keys.sort_unstable();
+            for &(key, _) in &keys {
+                emit(key, parent_ext, &blocks);
+            }
+            let last = Some(ExternalHash(self.nodes[cur as usize].external));
+            if !reach.is_empty() {
+                for c in children(cur) {
+                    queue.push_back((c, last, reach.clone()));
+                }
+            }
+        }
+    }
+
+    fn slot_for(&mut self, worker: WorkerKey) -> u32 {
+        if let Some(&slot) = self.slot_of.get(&worker) {
+            return slot;
+        }
+        let state = WorkerState {
+            key: worker,
+            blocks: FxHashMap::default(),
+            owned: 0,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.workers[slot as usize] = Some(state);
+                slot
+            }
+            None => {
+                self.workers.push(Some(state));
+                // More than 4 billion worker keys in one partition is not a real case.
+                (self.workers.len() - 1) as u32
+            }
+        };
+        self.slot_of.insert(worker, slot);
+        slot
+    }
+
+    #[inline]
+    fn child(&self, parent: u32, local: u64) -> Option<u32> {
+        let p = &self.nodes[parent as usize];
+        let fc = p.first_child;
+        if fc != NONE {
+            if self.nodes[fc as usize].local == local {
+                return Some(fc);
+            }
+            if p.n_children == 1 {
+                return None;
+            }
+        } else if p.n_children == 0 {
+            return None;
+        }
+        self.branches.get(&(parent, local)).copied()
+    }
+
+    fn alloc_node(&mut self, parent: u32, local: u64, external: u64) -> u32 {
+        let node = Node::new(parent, local, external);
+        let id = match self.free_nodes.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                // 4 billion nodes would be ~200 GB: not reachable in practice.
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        let p = &mut self.nodes[parent as usize];
+        if p.first_child == NONE {
+            p.first_child = id;
+        } else {
+            self.branches.insert((parent, local), id);
+        }
+        p.n_children += 1;
+        self.live_nodes += 1;
+        id
+    }
+
+    /// Frees `node` and then its ancestors while they have no owners, no map references
+    /// and no children.
+    fn prune(&mut self, mut node: u32) {
+        while node != ROOT {
+            let n = &self.nodes[node as usize];
+            if n.parent == NONE || !n.owners.is_empty() || n.refs > 0 || n.n_children > 0 {
+                return;
+            }
+            let (parent, local) = (n.parent, n.local);
+            let p = &mut self.nodes[parent as usize];
+            if p.first_child == node {
+                p.first_child = NONE;
+            } else {
+                self.branches.remove(&(parent, local));
+            }
+            p.n_children -= 1;
+            self.nodes[node as usize] = Node::new(NONE, 0, 0);
+            self.free_nodes.push(node);
+            self.live_nodes -= 1;
+            node = parent;
+        }
+    }
+}
+
+/// Keeps in `active` (sorted) only the slots also in `owners` (sorted), calling `dropped`
+/// for every removed slot.
+#[inline]
+fn retain_intersection(active: &mut Vec<u32>, owners: &[u32], mut dropped: impl FnMut(u32)) {
+    // Probing a large owner set (a shared system prompt) per active slot is cheaper than
+    // merging through all of it.
+    let probe = owners.len() > active.len() * 8;
+    let mut keep = 0;
+    let mut j = 0;
+    for i in 0..active.len() {
+        let s = active[i];
+        let present = if probe {
+            owners.binary_search(&s).is_ok()
+        } else {
+            while j < owners.len() && owners[j] < s {
+                j += 1;
+            }
+            j < owners.len() && owners[j] == s
+        };
+        if present {
+            active[keep] = s;
+            keep += 1;
+        } else {
+            dropped(s);
+        }
+    }
+    active.truncate(keep);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(pairs: &[(u64, u64)]) -> Vec<StoredBlock> {
+        pairs
+            .iter()
+            .map(|&(l, e)| StoredBlock::new(ExternalHash(e), BlockHash(l)))
+            .collect()
+    }
+
+    fn q(locals: &[u64]) -> Vec<BlockHash> {
+        locals.iter().map(|&l| BlockHash(l)).collect()
+    }
+
+    #[test]
+    fn node_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<Node>(), 48);
+    }
+
+    #[test]
+    fn pruning_frees_and_reuses_nodes() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        assert_eq!(idx.stats().nodes, 3);
+        idx.apply_removed(w, &[ExternalHash(13), ExternalHash(12)]);
+        assert_eq!(idx.stats().nodes, 1);
+        idx.apply_stored(w, Some(ExternalHash(11)), &blocks(&[(5, 15)]));
+        assert_eq!(idx.stats().nodes, 2);
+        assert_eq!(idx.nodes.len(), 4, "freed ids are reused");
+        let mut out = OverlapScores::new();
+        idx.find_matches(&q(&[1, 5]), &mut out);
+        assert_eq!(out.score(w), 2);
+        assert!(idx.remove_worker_key(w));
+        assert_eq!(idx.stats(), PrefixIndexStats::default());
+    }
+
+    #[test]
+    fn external_hash_reused_elsewhere_is_fully_cleared() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11)]));
+        // Same external hash at a different position: the map moves, ownership stays.
+        idx.apply_stored(w, None, &blocks(&[(2, 11)]));
+        assert_eq!(idx.stats().memberships, 2);
+        idx.remove_worker_key(w);
+        assert_eq!(idx.stats(), PrefixIndexStats::default());
+    }
+
+    #[test]
+    fn branch_children_are_found_after_first_child_is_pruned() {
+        let mut idx = PrefixIndex::new();
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        idx.apply_stored(a, None, &blocks(&[(1, 11), (2, 12)]));
+        idx.apply_stored(b, None, &blocks(&[(1, 11), (3, 13)]));
+        idx.apply_stored(b, Some(ExternalHash(11)), &blocks(&[(4, 14)]));
+        idx.apply_removed(a, &[ExternalHash(12)]);
+        let mut out = OverlapScores::new();
+        for (query, expect) in [(vec![1, 3], 2), (vec![1, 4], 2), (vec![1, 2], 1)] {
+            idx.find_matches(&q(&query), &mut out);
+            assert_eq!(out.score(b), expect, "{query:?}");
+        }
+        idx.apply_stored(a, Some(ExternalHash(11)), &blocks(&[(7, 17)]));
+        idx.find_matches(&q(&[1, 7]), &mut out);
+        assert_eq!(out.score(a), 2);
+        assert_eq!(out.score(b), 1);
+    }
+}

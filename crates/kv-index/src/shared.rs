@@ -1,0 +1,118 @@
+//! The partition index shared between request tasks (readers) and ingest tasks (writers).
+
+use std::time::Instant;
+
+use kv_types::{BlockHash, KvOperation, WorkerId, WorkerKey};
+use parking_lot::RwLock;
+
+use crate::index::{ApplyCounters, ApplyOutcome, KvIndex, RecordOutcome};
+use crate::primary::OverlapScores;
+use crate::tiers::TieredMatches;
+
+/// Expired entries applied per write section, so a large expiry wave never holds the
+/// lock for long.
+const EXPIRE_CHUNK: usize = 512;
+
+/// A [`KvIndex`] behind a `parking_lot::RwLock`: every write section covers exactly one
+/// operation (one engine event, one recorded decision, one expiry chunk), so a lookup
+/// waits at most for one short write. See the crate docs for the measurements.
+#[derive(Debug)]
+pub struct SharedKvIndex {
+    inner: RwLock<KvIndex>,
+}
+
+/// Counts of a restore (§9.2 step 3).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct RestoreReport {
+    pub applied: u64,
+    pub duplicate: u64,
+    pub parent_block_not_found: u64,
+    pub block_not_found: u64,
+}
+
+impl SharedKvIndex {
+    pub fn new(index: KvIndex) -> Self {
+        SharedKvIndex {
+            inner: RwLock::new(index),
+        }
+    }
+
+    pub fn into_inner(self) -> KvIndex {
+        self.inner.into_inner()
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.inner.read().block_size()
+    }
+
+    /// Applies one operation under a short write lock.
+    pub fn apply(&self, op: &KvOperation) -> ApplyOutcome {
+        self.inner.write().apply(op)
+    }
+
+    /// Replays snapshot operations in order, one write section each.
+    pub fn restore(&self, ops: &[KvOperation]) -> RestoreReport {
+        let mut report = RestoreReport::default();
+        for op in ops {
+            match self.apply(op) {
+                ApplyOutcome::Ok => report.applied += 1,
+                ApplyOutcome::DuplicateStore => report.duplicate += 1,
+                ApplyOutcome::ParentBlockNotFound => report.parent_block_not_found += 1,
+                ApplyOutcome::BlockNotFound { .. } => report.block_not_found += 1,
+            }
+        }
+        report
+    }
+
+    pub fn find_matches(&self, query: &[BlockHash], out: &mut OverlapScores) {
+        self.inner.read().find_matches(query, out);
+    }
+
+    pub fn find_tiered(&self, query: &[BlockHash], out: &mut TieredMatches) {
+        self.inner.read().find_tiered(query, out);
+    }
+
+    pub fn record_decision(
+        &self,
+        worker: WorkerKey,
+        locals: &[BlockHash],
+        now: Instant,
+    ) -> RecordOutcome {
+        self.inner.write().record_decision(worker, locals, now)
+    }
+
+    /// Applies every approximate entry expired at `now`, in chunks. Returns the count.
+    pub fn expire(&self, now: Instant) -> usize {
+        let mut total = 0;
+        loop {
+            let n = self.inner.write().expire(now, EXPIRE_CHUNK);
+            total += n;
+            if n < EXPIRE_CHUNK {
+                return total;
+            }
+        }
+    }
+
+    pub fn remove_worker(&self, worker_id: WorkerId) {
+        self.inner.write().remove_worker(worker_id);
+    }
+
+    pub fn remove_rank(&self, worker: WorkerKey) {
+        self.inner.write().remove_rank(worker);
+    }
+
+    pub fn counters(&self) -> ApplyCounters {
+        self.inner.read().counters()
+    }
+
+    /// Snapshot operations (§9.1) taken under one read lock: consistent, but it delays
+    /// writers (and, through lock fairness, later readers) for the traversal time.
+    pub fn snapshot_operations(&self) -> Vec<KvOperation> {
+        self.inner.read().snapshot_operations()
+    }
+
+    /// Runs `f` under the read lock (keep it short).
+    pub fn read<R>(&self, f: impl FnOnce(&KvIndex) -> R) -> R {
+        f(&self.inner.read())
+    }
+}

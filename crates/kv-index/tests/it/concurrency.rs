@@ -1,0 +1,89 @@
+//! Writers and readers on one shared index for a bounded time: every answer is a prefix
+//! some worker really stored (never longer than anything ever stored for it).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kv_index::{KvIndex, OverlapScores, SharedKvIndex};
+use kv_types::StorageTier;
+
+use crate::support::{cleared, q, removed, stored, w};
+
+const CHAIN: u64 = 24;
+
+/// Worker `i` stores (and removes, and clears) prefixes of the chain `i*100 + 0..CHAIN`
+/// after a shared head block 7. Nothing else is ever stored.
+#[test]
+fn readers_never_see_more_than_was_stored() {
+    let index = Arc::new(SharedKvIndex::new(KvIndex::with_block_size(16)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let deadline = Instant::now() + Duration::from_millis(600);
+    let mut handles = Vec::new();
+    for writer in 0..3u64 {
+        let index = Arc::clone(&index);
+        let stop = Arc::clone(&stop);
+        handles.push(thread::spawn(move || {
+            let mut round = 0u64;
+            while !stop.load(Ordering::Relaxed) && round < 1_000_000 {
+                for worker in (writer * 4)..(writer * 4 + 4) {
+                    let key = w(worker, 0);
+                    let len = 1 + (round * 7 + worker) % CHAIN;
+                    let pairs: Vec<(u64, u64)> = std::iter::once((7, 7_000_000 + worker))
+                        .chain((0..len).map(|i| (worker * 100 + i, worker * 1000 + i)))
+                        .collect();
+                    index.apply(&stored(key, StorageTier::Device, None, &pairs));
+                    match round % 3 {
+                        0 => {
+                            index.apply(&removed(key, &[worker * 1000 + len / 2]));
+                        }
+                        1 => {
+                            index.apply(&cleared(key));
+                        }
+                        _ => {}
+                    }
+                }
+                round += 1;
+            }
+        }));
+    }
+    let mut readers = Vec::new();
+    for reader in 0..3u64 {
+        let index = Arc::clone(&index);
+        let stop = Arc::clone(&stop);
+        readers.push(thread::spawn(move || {
+            let mut out = OverlapScores::new();
+            let mut checked = 0u64;
+            let mut i = reader;
+            while !stop.load(Ordering::Relaxed) && checked < 10_000_000 {
+                let worker = i % 12;
+                let mut prompt = vec![7];
+                prompt.extend((0..CHAIN + 2).map(|k| worker * 100 + k));
+                index.find_matches(&q(&prompt), &mut out);
+                for e in out.entries() {
+                    let id = e.worker.worker_id.0;
+                    assert!(id < 12, "unknown worker {id}");
+                    if id == worker {
+                        assert!(u64::from(e.matched_blocks) <= CHAIN + 1);
+                    } else {
+                        // Other workers only share the head block.
+                        assert_eq!(e.matched_blocks, 1);
+                    }
+                }
+                checked += 1;
+                i += 1;
+            }
+            checked
+        }));
+    }
+    while Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    let checked: u64 = readers.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(checked > 0);
+}

@@ -1,0 +1,297 @@
+//! Property tests: the index against a naive model of prefix chains, and snapshot round
+//! trips.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use kv_index::snapshot::{DecodeLimits, Dump, PartitionDump, decode_dump, encode_dump};
+use kv_index::{KvIndex, OverlapScores, SharedKvIndex, TieredMatches};
+use kv_types::{StorageTier, WorkerId, WorkerKey};
+use proptest::prelude::*;
+
+use crate::support::{cleared, q, removed, stored, w};
+
+/// Per worker key: external hash → path of local hashes, and the owned paths.
+#[derive(Default, Debug)]
+struct ModelWorker {
+    map: HashMap<u64, Vec<u64>>,
+    owned: BTreeSet<Vec<u64>>,
+}
+
+#[derive(Default, Debug)]
+struct Model {
+    workers: BTreeMap<WorkerKey, ModelWorker>,
+}
+
+impl Model {
+    fn parent_path(&self, worker: WorkerKey, parent: Option<u64>) -> Option<Vec<u64>> {
+        match parent {
+            None => Some(Vec::new()),
+            Some(p) => {
+                let mw = self.workers.get(&worker)?;
+                let path = mw.map.get(&p)?;
+                mw.owned.contains(path).then(|| path.clone())
+            }
+        }
+    }
+
+    fn stored(&mut self, worker: WorkerKey, parent: Option<u64>, blocks: &[(u64, u64)]) -> bool {
+        if blocks.is_empty() {
+            return true;
+        }
+        let Some(mut path) = self.parent_path(worker, parent) else {
+            return false;
+        };
+        let mw = self.workers.entry(worker).or_default();
+        for &(l, e) in blocks {
+            path.push(l);
+            mw.owned.insert(path.clone());
+            mw.map.insert(e, path.clone());
+        }
+        true
+    }
+
+    fn removed(&mut self, worker: WorkerKey, hashes: &[u64]) {
+        if let Some(mw) = self.workers.get_mut(&worker) {
+            for h in hashes {
+                if let Some(p) = mw.map.remove(h) {
+                    mw.owned.remove(&p);
+                }
+            }
+        }
+    }
+
+    fn scores(&self, query: &[u64]) -> BTreeMap<WorkerKey, u32> {
+        let mut out = BTreeMap::new();
+        for (&k, mw) in &self.workers {
+            let mut d = 0;
+            while d < query.len() && mw.owned.contains(&query[..=d]) {
+                d += 1;
+            }
+            if d > 0 {
+                out.insert(k, d as u32);
+            }
+        }
+        out
+    }
+}
+
+fn index_scores(idx: &KvIndex, query: &[u64], out: &mut OverlapScores) -> BTreeMap<WorkerKey, u32> {
+    idx.find_matches(&q(query), out);
+    let map: BTreeMap<_, _> = out
+        .entries()
+        .iter()
+        .map(|e| (e.worker, e.matched_blocks))
+        .collect();
+    assert_eq!(map.len(), out.len(), "one entry per worker");
+    map
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// worker, parent selector (None = root; Some(i) = i-th known hash or unknown), blocks.
+    Stored(u8, Option<u8>, Vec<(u8, u8)>),
+    Removed(u8, Vec<u8>),
+    Cleared(u8),
+    RemoveWorkerId(u8),
+    RemoveRank(u8),
+}
+
+fn worker_of(i: u8) -> WorkerKey {
+    w(u64::from(i % 3), u32::from(i / 3 % 2))
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (any::<u8>(), prop::option::of(any::<u8>()), prop::collection::vec((0u8..3, any::<u8>()), 0..5))
+            .prop_map(|(w, p, b)| Op::Stored(w, p, b)),
+        3 => (any::<u8>(), prop::collection::vec(any::<u8>(), 0..4)).prop_map(|(w, h)| Op::Removed(w, h)),
+        1 => any::<u8>().prop_map(Op::Cleared),
+        1 => any::<u8>().prop_map(Op::RemoveWorkerId),
+        1 => any::<u8>().prop_map(Op::RemoveRank),
+    ]
+}
+
+/// Picks one of the worker's known hashes (sorted) or, for high selectors, an unknown one.
+fn pick_hash(model: &Model, worker: WorkerKey, sel: u8, universe: u64) -> u64 {
+    let known: Vec<u64> = model
+        .workers
+        .get(&worker)
+        .map(|mw| {
+            let mut v: Vec<u64> = mw.map.keys().copied().collect();
+            v.sort_unstable();
+            v
+        })
+        .unwrap_or_default();
+    if sel < 200 && !known.is_empty() {
+        known[usize::from(sel) % known.len()]
+    } else {
+        1_000 + u64::from(sel) % universe
+    }
+}
+
+/// External hash of a path when the engine invariant holds (one chain ↔ one hash chain).
+fn chain_hash(path: &[u64]) -> u64 {
+    path.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &l| {
+        (h ^ (l + 1)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Applies `op` to both; `consistent` derives external hashes from paths, otherwise they
+/// come from a tiny range so engines "reuse" hashes (aliasing) as a stress case.
+fn apply(model: &mut Model, idx: &mut KvIndex, op: &Op, consistent: bool) {
+    match op {
+        Op::Stored(wi, parent_sel, blocks) => {
+            let worker = worker_of(*wi);
+            let parent = parent_sel.map(|s| pick_hash(model, worker, s, 6));
+            let mut path = model.parent_path(worker, parent).unwrap_or_default();
+            let pairs: Vec<(u64, u64)> = blocks
+                .iter()
+                .map(|&(l, e)| {
+                    let l = u64::from(l);
+                    path.push(l);
+                    let e = if consistent {
+                        chain_hash(&path)
+                    } else {
+                        u64::from(e % 8)
+                    };
+                    (l, e)
+                })
+                .collect();
+            let accepted = model.stored(worker, parent, &pairs);
+            let outcome = idx.apply(&stored(worker, StorageTier::Device, parent, &pairs));
+            assert_eq!(
+                accepted,
+                outcome != kv_index::ApplyOutcome::ParentBlockNotFound,
+                "{op:?}"
+            );
+        }
+        Op::Removed(wi, sels) => {
+            let worker = worker_of(*wi);
+            let hashes: Vec<u64> = sels
+                .iter()
+                .map(|&s| pick_hash(model, worker, s, 6))
+                .collect();
+            model.removed(worker, &hashes);
+            idx.apply(&removed(worker, &hashes));
+        }
+        Op::Cleared(wi) => {
+            let worker = worker_of(*wi);
+            model.workers.remove(&worker);
+            idx.apply(&cleared(worker));
+        }
+        Op::RemoveWorkerId(wi) => {
+            let id = worker_of(*wi).worker_id;
+            model.workers.retain(|k, _| k.worker_id != id);
+            idx.remove_worker(id);
+        }
+        Op::RemoveRank(wi) => {
+            let worker = worker_of(*wi);
+            model.workers.remove(&worker);
+            idx.remove_rank(worker);
+        }
+    }
+}
+
+fn queries_of(model: &Model, random: &[Vec<u8>]) -> Vec<Vec<u64>> {
+    let mut out: Vec<Vec<u64>> = random
+        .iter()
+        .map(|v| v.iter().map(|&x| u64::from(x)).collect())
+        .collect();
+    for mw in model.workers.values() {
+        for p in &mw.owned {
+            let mut long = p.clone();
+            long.push(0);
+            out.push(p.clone());
+            out.push(long);
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn index_matches_model(
+        ops in prop::collection::vec(op_strategy(), 1..60),
+        queries in prop::collection::vec(prop::collection::vec(0u8..3, 0..6), 1..8),
+        consistent in any::<bool>(),
+    ) {
+        let mut model = Model::default();
+        let mut idx = KvIndex::with_block_size(4);
+        let mut out = OverlapScores::new();
+        for (i, op) in ops.iter().enumerate() {
+            apply(&mut model, &mut idx, op, consistent);
+            if i % 4 == 3 || i + 1 == ops.len() {
+                for query in queries_of(&model, &queries) {
+                    prop_assert_eq!(index_scores(&idx, &query, &mut out), model.scores(&query), "query {:?}", query);
+                }
+            }
+        }
+        // Everything removed: the trie is empty again (no leaked nodes or slots).
+        for id in 0..3 {
+            idx.remove_worker(WorkerId(id));
+        }
+        prop_assert_eq!(idx.primary_stats(), kv_index::PrefixIndexStats::default());
+    }
+
+    #[test]
+    fn snapshot_round_trip_answers_like_the_original(
+        ops in prop::collection::vec(op_strategy(), 1..60),
+        lower in prop::collection::vec((0u8..3, any::<u8>(), prop::option::of(0u8..4), prop::collection::vec(0u8..3, 1..4)), 0..12),
+        queries in prop::collection::vec(prop::collection::vec(0u8..3, 0..6), 1..8),
+    ) {
+        let mut model = Model::default();
+        let mut idx = KvIndex::with_block_size(16);
+        for op in &ops {
+            apply(&mut model, &mut idx, op, true);
+        }
+        for (tier, wi, parent, locals) in &lower {
+            let tier = StorageTier::LOWER[usize::from(*tier)];
+            let mut path: Vec<u64> = parent.map(|p| vec![u64::from(p)]).unwrap_or_default();
+            let parent = parent.map(|_| chain_hash(&path));
+            let pairs: Vec<(u64, u64)> = locals.iter().map(|&l| {
+                path.push(u64::from(l));
+                (u64::from(l), chain_hash(&path))
+            }).collect();
+            idx.apply(&stored(worker_of(*wi), tier, parent, &pairs));
+        }
+        let mut dump = Dump::new();
+        dump.insert("m:default".to_owned(), PartitionDump::Snapshot { block_size: 16, events: idx.snapshot_operations() });
+        let bytes = encode_dump(&dump).unwrap();
+        let decoded = decode_dump(&bytes, &DecodeLimits::default()).unwrap();
+        prop_assert_eq!(&decoded, &dump);
+        let Some(PartitionDump::Snapshot { block_size, events }) = decoded.get("m:default") else {
+            panic!("partition missing");
+        };
+        let copy = SharedKvIndex::new(KvIndex::with_block_size(*block_size));
+        let report = copy.restore(events);
+        prop_assert_eq!(report.parent_block_not_found, 0);
+        let copy = copy.into_inner();
+        let (mut a, mut b) = (TieredMatches::new(), TieredMatches::new());
+        for query in queries_of(&model, &queries) {
+            idx.find_tiered(&q(&query), &mut a);
+            copy.find_tiered(&q(&query), &mut b);
+            let mut ha = a.hits().to_vec();
+            let mut hb = b.hits().to_vec();
+            ha.sort_by_key(|h| h.worker);
+            hb.sort_by_key(|h| h.worker);
+            prop_assert_eq!(ha, hb, "query {:?}", query);
+            let mut ea = a.device().entries().to_vec();
+            let mut eb = b.device().entries().to_vec();
+            ea.sort_by_key(|e| e.worker);
+            eb.sort_by_key(|e| e.worker);
+            prop_assert_eq!(ea, eb, "query {:?}", query);
+        }
+        // One dump/restore normalizes the tree (ownerless nodes kept alive only by stale
+        // hash references vanish); after that dumping is a fixed point.
+        let again = SharedKvIndex::new(KvIndex::with_block_size(16));
+        again.restore(&copy.snapshot_operations());
+        prop_assert_eq!(again.snapshot_operations(), copy.snapshot_operations());
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic_the_decoder(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = decode_dump(&bytes, &DecodeLimits::default());
+    }
+}
