@@ -1,0 +1,285 @@
+//! Integration tests of the ledger: a proptest against a plain list-of-reservations model,
+//! and a bounded concurrency test through load handles.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_types::{SequenceHash, WorkerId, WorkerKey};
+use load_accounting::{
+    BookRequest, Ledger, LedgerConfig, LedgerError, LoadHandle, RankLoad, SharedLedger, SlotPolicy,
+};
+use proptest::prelude::*;
+
+/// The obvious model: a list of reservations, every total recomputed from scratch.
+#[derive(Debug, Clone)]
+struct ModelReservation {
+    id: String,
+    worker: WorkerKey,
+    path: Vec<u64>,
+    prefill: u64,
+    outputs: Vec<f64>,
+    admitted: u64,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    live: Vec<ModelReservation>,
+    /// Weight fraction of each active prefix `(worker, prefix)`; absent = 1.0.
+    fractions: HashMap<(WorkerKey, Vec<u64>), f64>,
+}
+
+impl Model {
+    fn holders(&self, worker: WorkerKey, prefix: &[u64]) -> usize {
+        self.live
+            .iter()
+            .filter(|r| r.worker == worker && r.path.starts_with(prefix))
+            .count()
+    }
+
+    fn forget_dead_prefixes(&mut self) {
+        let live = std::mem::take(&mut self.fractions);
+        self.fractions = live
+            .into_iter()
+            .filter(|((w, p), _)| self.holders(*w, p) > 0)
+            .collect();
+    }
+
+    fn load(&self, worker: WorkerKey) -> RankLoad {
+        let mut prefixes: Vec<&[u64]> = Vec::new();
+        let mut outputs = 0.0;
+        let mut prefill = 0;
+        let mut requests = 0;
+        for r in self.live.iter().filter(|r| r.worker == worker) {
+            requests += 1;
+            prefill += r.prefill;
+            outputs += r.outputs.iter().sum::<f64>();
+            for i in 1..=r.path.len() {
+                prefixes.push(&r.path[..i]);
+            }
+        }
+        prefixes.sort();
+        prefixes.dedup();
+        let prompt: f64 = prefixes
+            .iter()
+            .map(|p| *self.fractions.get(&(worker, p.to_vec())).unwrap_or(&1.0))
+            .sum();
+        RankLoad {
+            active_prefill_tokens: prefill,
+            active_decode_blocks: (prompt + outputs).round() as u64,
+            active_requests: requests,
+        }
+    }
+
+    fn position(&self, id: &str) -> Option<usize> {
+        self.live.iter().position(|r| r.id == id)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Book {
+        id: u8,
+        rank: u8,
+        path: Vec<u64>,
+        prefill: Option<u64>,
+        track: bool,
+    },
+    PrefillComplete(u8),
+    Output(u8, Option<u8>),
+    Free(u8),
+    Advance(u64),
+    Expire,
+    RemoveWorker(u8),
+}
+
+const FRACTIONS: [f64; 5] = [0.0, 0.25, 0.5, 0.75, 1.0];
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (
+            0u8..12,
+            0u8..4,
+            prop::collection::vec(0u64..3, 0..6),
+            prop::option::of(0u64..100),
+            any::<bool>(),
+        )
+            .prop_map(|(id, rank, path, prefill, track)| Op::Book {
+                id,
+                rank,
+                path,
+                prefill,
+                track,
+            }),
+        2 => (0u8..12).prop_map(Op::PrefillComplete),
+        3 => (0u8..12, prop::option::of(0u8..6)).prop_map(|(i, f)| Op::Output(i, f)),
+        2 => (0u8..12).prop_map(Op::Free),
+        1 => (0u64..200).prop_map(Op::Advance),
+        1 => Just(Op::Expire),
+        1 => (0u8..2).prop_map(Op::RemoveWorker),
+    ]
+}
+
+fn key(rank: u8) -> WorkerKey {
+    // Ranks 0..4 spread over two workers so worker removal drops two ranks at once.
+    WorkerKey::new(u64::from(rank / 2), u32::from(rank % 2))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn ledger_matches_the_list_model(ops in prop::collection::vec(op(), 1..80)) {
+        let expiry = 300;
+        let t0 = Instant::now();
+        let mut clock = 0u64;
+        let mut ledger = Ledger::new(LedgerConfig { expiry: Duration::from_secs(expiry) });
+        let mut model = Model::default();
+        for op in ops {
+            let now = t0 + Duration::from_secs(clock);
+            match op {
+                Op::Book { id, rank, path, prefill, track } => {
+                    let id = format!("r{id}");
+                    let hashes: Vec<SequenceHash> = path.iter().copied().map(SequenceHash).collect();
+                    let mut req = BookRequest::new(key(rank), &hashes, 100);
+                    req.effective_prefill_tokens = prefill;
+                    req.track_prefill_tokens = track;
+                    let got = ledger.book(id.as_str().into(), &req, SlotPolicy::CreateMissing, now);
+                    if model.position(&id).is_some() {
+                        let duplicate = matches!(got, Err(LedgerError::DuplicateReservation { .. }));
+                        prop_assert!(duplicate);
+                    } else {
+                        prop_assert!(got.is_ok());
+                        let charged = match prefill { Some(p) if track && p > 0 => p, _ => 0 };
+                        model.live.push(ModelReservation {
+                            id, worker: key(rank), path, prefill: charged, outputs: vec![], admitted: clock,
+                        });
+                    }
+                }
+                Op::PrefillComplete(id) => {
+                    let id = format!("r{id}");
+                    let got = ledger.prefill_complete(&id);
+                    match model.position(&id) {
+                        Some(i) => { prop_assert!(got.is_ok()); model.live[i].prefill = 0; }
+                        None => { let nf = matches!(got, Err(LedgerError::NotFound { .. })); prop_assert!(nf); }
+                    }
+                }
+                Op::Output(id, f) => {
+                    let id = format!("r{id}");
+                    let fraction = f.map(|f| FRACTIONS.get(usize::from(f)).copied().unwrap_or(1.5));
+                    let got = ledger.output_block(&id, fraction);
+                    if fraction.is_some_and(|f| f > 1.0) {
+                        let bad = matches!(got, Err(LedgerError::InvalidDecayFraction { .. }));
+                        prop_assert!(bad);
+                        continue;
+                    }
+                    match model.position(&id) {
+                        None => { let nf = matches!(got, Err(LedgerError::NotFound { .. })); prop_assert!(nf); }
+                        Some(i) => {
+                            prop_assert!(got.is_ok());
+                            model.live[i].outputs.push(1.0);
+                            if let Some(f) = fraction {
+                                for o in &mut model.live[i].outputs { *o = f; }
+                                let (worker, path) = (model.live[i].worker, model.live[i].path.clone());
+                                for len in (1..=path.len()).rev() {
+                                    if model.holders(worker, &path[..len]) != 1 { break; }
+                                    model.fractions.insert((worker, path[..len].to_vec()), f);
+                                }
+                            }
+                        }
+                    }
+                }
+                Op::Free(id) => {
+                    let id = format!("r{id}");
+                    let got = ledger.free(&id);
+                    match model.position(&id) {
+                        Some(i) => { prop_assert!(got.is_ok()); model.live.remove(i); model.forget_dead_prefixes(); }
+                        None => { let nf = matches!(got, Err(LedgerError::NotFound { .. })); prop_assert!(nf); }
+                    }
+                }
+                Op::Advance(s) => clock += s,
+                Op::Expire => {
+                    let mut got: Vec<String> = ledger.expire(now).iter().map(|i| i.to_string()).collect();
+                    got.sort();
+                    let mut want: Vec<String> = model.live.iter()
+                        .filter(|r| clock - r.admitted > expiry)
+                        .map(|r| r.id.clone()).collect();
+                    want.sort();
+                    prop_assert_eq!(got, want);
+                    model.live.retain(|r| clock - r.admitted <= expiry);
+                    model.forget_dead_prefixes();
+                }
+                Op::RemoveWorker(w) => {
+                    let worker = WorkerId(u64::from(w));
+                    let mut got: Vec<String> = ledger.remove_worker(worker).iter().map(|i| i.to_string()).collect();
+                    got.sort();
+                    let mut want: Vec<String> = model.live.iter()
+                        .filter(|r| r.worker.worker_id == worker)
+                        .map(|r| r.id.clone()).collect();
+                    want.sort();
+                    prop_assert_eq!(got, want);
+                    model.live.retain(|r| r.worker.worker_id != worker);
+                    model.forget_dead_prefixes();
+                }
+            }
+            prop_assert_eq!(ledger.len(), model.live.len());
+            for rank in 0..4 {
+                let want = model.load(key(rank));
+                let got = ledger.load(key(rank)).unwrap_or_default();
+                prop_assert_eq!(got, want, "rank {}", rank);
+                let probe = [SequenceHash(0), SequenceHash(1), SequenceHash(2)];
+                let depth = (1..=probe.len())
+                    .rev()
+                    .find(|&l| {
+                        let p: Vec<u64> = probe[..l].iter().map(|h| h.0).collect();
+                        model.holders(key(rank), &p) > 0
+                    })
+                    .unwrap_or(0);
+                prop_assert_eq!(ledger.overlap_depth(key(rank), &probe), depth);
+            }
+        }
+    }
+}
+
+#[test]
+fn concurrent_handles_leave_no_load_behind() {
+    let ledger: SharedLedger = Arc::default();
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let ledger = Arc::clone(&ledger);
+            std::thread::spawn(move || {
+                let hashes: Vec<SequenceHash> = (0..8).map(SequenceHash).collect();
+                let mut held = Vec::new();
+                for i in 0..2_000u64 {
+                    let worker = WorkerKey::new(i % 8, 0);
+                    let req =
+                        BookRequest::new(worker, &hashes[..(i % 8) as usize], 128).with_prefill(64);
+                    let id = format!("t{t}-{i}");
+                    let h =
+                        LoadHandle::book(&ledger, id.into(), &req, SlotPolicy::CreateMissing, t0)
+                            .unwrap();
+                    if i % 3 == 0 {
+                        h.prefill_complete().unwrap();
+                    }
+                    if i % 5 == 0 {
+                        h.output_block(Some(0.5)).unwrap();
+                    }
+                    held.push(h);
+                    if held.len() > 16 {
+                        // Dropping releases; the rest go at thread end.
+                        held.swap_remove(0);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let ledger = ledger.lock();
+    assert!(ledger.is_empty());
+    for (_, load) in ledger.loads() {
+        assert_eq!(load, RankLoad::default());
+    }
+}

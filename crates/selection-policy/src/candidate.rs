@@ -1,0 +1,230 @@
+//! What a policy sees: one read-only row per candidate rank and the request's context.
+
+use kv_types::{DpRank, WorkerId, WorkerKey};
+
+use crate::config::RouterConfigOverride;
+
+/// Overlap of the request with one candidate, in blocks (`indexing.md` §4.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheInputs {
+    /// Primary (device) prefix score. Precomputed-overlap callers put their overlap here and
+    /// leave the lower tiers at 0.
+    pub device_blocks: u32,
+    /// host_pinned extension hits beyond the device prefix.
+    pub host_blocks: u32,
+    /// disk + external extension hits.
+    pub disk_blocks: u32,
+    /// Shared-cache hit positions at or beyond the device prefix (0 without a shared cache).
+    pub shared_beyond_blocks: u32,
+}
+
+impl CacheInputs {
+    /// `device + w_host·host + w_disk·disk`.
+    #[inline]
+    pub fn effective_overlap_blocks(&self, w_host: f64, w_disk: f64) -> f64 {
+        f64::from(self.device_blocks)
+            + w_host * f64::from(self.host_blocks)
+            + w_disk * f64::from(self.disk_blocks)
+    }
+}
+
+/// `round(effective_overlap_blocks · B)`, half away from zero, never negative.
+#[inline]
+pub fn cached_tokens(effective_overlap_blocks: f64, block_size: u32) -> u64 {
+    (effective_overlap_blocks * f64::from(block_size))
+        .round()
+        .max(0.0) as u64
+}
+
+/// Load projection of the request onto one candidate (`scheduling.md` §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadInputs {
+    /// Current tracked prefill tokens of the rank (not including this request).
+    pub active_prefill_tokens: u64,
+    /// `active_decode_blocks + additional_active_blocks`.
+    pub potential_decode_blocks: u64,
+    pub active_requests: u64,
+}
+
+/// Registered capacities of the candidate's worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capacity {
+    pub max_num_batched_tokens: Option<u64>,
+    pub total_kv_blocks: Option<u64>,
+}
+
+/// One candidate `(worker, dp_rank)` with every input column a policy may read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub worker: WorkerKey,
+    pub cache: CacheInputs,
+    /// `None` when the rank has no load projection.
+    pub load: Option<LoadInputs>,
+    pub capacity: Capacity,
+    /// `exp(−tanh(Σ matching preferred-taint weights))`, 1.0 when none match.
+    pub preferred_taint_multiplier: f64,
+}
+
+impl Candidate {
+    /// A candidate with no overlap, no load projection, unknown capacities and no taint bias.
+    pub fn new(worker: WorkerKey) -> Self {
+        Self {
+            worker,
+            cache: CacheInputs::default(),
+            load: None,
+            capacity: Capacity::default(),
+            preferred_taint_multiplier: 1.0,
+        }
+    }
+}
+
+/// `exp(−tanh(sum))`: the preferred-taint multiplier for the summed weights of the preferred
+/// taints a worker has (bounded to `[e⁻¹, e]`).
+pub fn preferred_taint_multiplier(matching_weight_sum: f32) -> f64 {
+    (-f64::from(matching_weight_sum).tanh()).exp()
+}
+
+/// Which pool the policy selects for (`scheduling.md` §4.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolLabel {
+    /// A prefill-role selector.
+    Prefill,
+    /// Every other role, including the aggregated role of the standalone service.
+    #[default]
+    Decode,
+}
+
+/// Session of the request, with the agent headers it came with.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SessionContext {
+    session_id: String,
+    headers: Vec<(String, String)>,
+}
+
+impl SessionContext {
+    /// A session context; header names are matched case-insensitively.
+    pub fn new(session_id: impl Into<String>, headers: Vec<(String, String)>) -> Self {
+        Self {
+            session_id: session_id.into(),
+            headers,
+        }
+    }
+
+    /// The session id.
+    pub fn session_id(&self) -> &str {
+        &self.session_id
+    }
+
+    /// The first header called `name` (ASCII case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// All agent headers in arrival order.
+    pub fn headers(&self) -> &[(String, String)] {
+        &self.headers
+    }
+}
+
+/// Affinity target: a worker, optionally one of its ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AffinityTarget {
+    pub worker_id: WorkerId,
+    pub dp_rank: Option<DpRank>,
+}
+
+impl AffinityTarget {
+    /// Whether `key` is (one of) the target rank(s).
+    pub fn matches(&self, key: WorkerKey) -> bool {
+        key.worker_id == self.worker_id && self.dp_rank.is_none_or(|r| r == key.dp_rank)
+    }
+}
+
+/// Per-request inputs shared by every candidate.
+#[derive(Debug, Clone, Copy)]
+pub struct SelectionContext<'a> {
+    /// Input sequence length in tokens.
+    pub isl: u64,
+    pub block_size: u32,
+    /// `len(T)`: complete blocks with tracking hashes.
+    pub tracking_blocks: u64,
+    /// Resolved: override `track_prefill_tokens`, else config.
+    pub track_prefill_tokens: bool,
+    /// Whether the request carried any tier overlap data (else `device_blocks` is a
+    /// precomputed effective overlap).
+    pub has_tier_data: bool,
+    /// Validated per-request override.
+    pub overrides: RouterConfigOverride,
+    pub session: Option<&'a SessionContext>,
+    pub policy_class: Option<&'a str>,
+    /// A pinned request takes its only row; no choice is made and no taint bias applies.
+    pub pinned: Option<WorkerKey>,
+    /// An eligible affinity target (the service checks eligibility before setting it).
+    pub affinity: Option<AffinityTarget>,
+    pub expected_output_tokens: Option<u32>,
+    pub priority_jump: f64,
+    pub strict_priority: u32,
+}
+
+impl<'a> SelectionContext<'a> {
+    /// A context with everything else at its default.
+    pub fn new(isl: u64, block_size: u32, tracking_blocks: u64) -> Self {
+        Self {
+            isl,
+            block_size,
+            tracking_blocks,
+            track_prefill_tokens: true,
+            has_tier_data: true,
+            overrides: RouterConfigOverride::default(),
+            session: None,
+            policy_class: None,
+            pinned: None,
+            affinity: None,
+            expected_output_tokens: None,
+            priority_jump: 0.0,
+            strict_priority: 0,
+        }
+    }
+
+    /// `ceil(isl / B)`.
+    pub fn request_blocks(&self) -> u64 {
+        self.isl.div_ceil(u64::from(self.block_size.max(1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_section_3_example() {
+        let c = CacheInputs {
+            device_blocks: 4,
+            host_blocks: 2,
+            disk_blocks: 4,
+            shared_beyond_blocks: 0,
+        };
+        let eff = c.effective_overlap_blocks(0.75, 0.25);
+        assert_eq!(eff, 6.5);
+        assert_eq!(cached_tokens(eff, 16), 104);
+    }
+
+    #[test]
+    fn taint_multiplier_bounds() {
+        assert_eq!(preferred_taint_multiplier(0.0), 1.0);
+        let lo = preferred_taint_multiplier(1e9);
+        let hi = preferred_taint_multiplier(-1e9);
+        assert!((lo - (-1f64).exp()).abs() < 1e-12 && (hi - 1f64.exp()).abs() < 1e-12);
+    }
+
+    #[test]
+    fn session_headers_are_case_insensitive() {
+        let s = SessionContext::new("s1", vec![("X-Agent".into(), "a".into())]);
+        assert_eq!(s.session_id(), "s1");
+        assert_eq!(s.header("x-agent"), Some("a"));
+        assert_eq!(s.header("x-other"), None);
+    }
+}

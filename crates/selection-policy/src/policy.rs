@@ -1,0 +1,343 @@
+//! The plugin surface (`Filter`, `Scorer`, `Picker`) and the policy that composes them.
+
+use std::fmt;
+
+use kv_types::WorkerKey;
+
+use crate::candidate::{Candidate, SelectionContext, cached_tokens};
+use crate::config::RouterConfig;
+use crate::default::{DefaultScorer, TemperaturePicker};
+use crate::rng::PickRng;
+
+/// Prefill capacity assumed for a worker without `max_num_batched_tokens`.
+pub const DEFAULT_PREFILL_TOKEN_CAPACITY: u64 = 10_000_000;
+
+/// A failed selection.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// No candidate was offered (the service maps this to `NoEndpoints` or
+    /// `AllEligibleWorkersOverloaded` from what it knows about eligibility).
+    #[error("no candidates")]
+    NoCandidates,
+    /// Filters rejected every candidate (`AllEligibleWorkersFiltered`, 503).
+    #[error("all eligible workers were filtered out by the selection policy")]
+    AllFiltered,
+    /// The pinned worker is not among the candidates.
+    #[error("pinned {worker} is not a candidate")]
+    PinnedNotCandidate { worker: WorkerKey },
+    /// A scorer wrote a non-finite cost (or left a row unwritten) (500).
+    #[error("scorer {scorer} produced a non-finite cost {value} for row {row}")]
+    NonFiniteCost {
+        scorer: usize,
+        row: usize,
+        value: f64,
+    },
+    /// The picker returned a row that does not exist (500).
+    #[error("picker returned row {row} of {len}")]
+    RowOutOfRange { row: usize, len: usize },
+    /// A custom component failed (500).
+    #[error("selection policy component failed: {message}")]
+    Component { message: String },
+}
+
+/// Keeps or drops one candidate; filters run in declaration order.
+pub trait Filter: Send + Sync + fmt::Debug {
+    fn keep(&self, ctx: &SelectionContext<'_>, candidate: &Candidate) -> Result<bool, PolicyError>;
+}
+
+/// Writes one finite, lower-is-better cost per candidate into `costs` (same length as
+/// `candidates`, pre-filled with NaN so an unwritten row is caught). The contributions of
+/// all scorers are summed.
+pub trait Scorer: Send + Sync + fmt::Debug {
+    fn score(
+        &self,
+        ctx: &SelectionContext<'_>,
+        candidates: &[Candidate],
+        costs: &mut [f64],
+    ) -> Result<(), PolicyError>;
+}
+
+/// Chooses one row given the summed costs.
+pub trait Picker: Send + Sync + fmt::Debug {
+    fn pick(
+        &self,
+        ctx: &SelectionContext<'_>,
+        candidates: &[Candidate],
+        costs: &[f64],
+        rng: &mut PickRng,
+    ) -> Result<usize, PolicyError>;
+}
+
+/// Advisory load of the chosen worker (`scheduling.md` §4.6).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerLoad {
+    pub active_prefill_tokens: u64,
+    /// `max_num_batched_tokens`, else [`DEFAULT_PREFILL_TOKEN_CAPACITY`].
+    pub prefill_token_capacity: u64,
+    pub total_kv_blocks: Option<u64>,
+    /// Absent when `conditional_disagg_prefill_busy_threshold` is unset.
+    pub prefill_busy: Option<bool>,
+}
+
+/// The outcome of one selection.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    /// Index into the candidate slice given to [`Policy::select`].
+    pub row: usize,
+    pub worker: WorkerKey,
+    /// Summed cost of the chosen row.
+    pub cost: f64,
+    pub cached_tokens: u64,
+    pub effective_overlap_blocks: f64,
+    /// `isl − min(isl, cached_tokens)`.
+    pub effective_prefill_tokens: u64,
+    /// The chosen rank's projection plus the untracked partial tail block.
+    pub potential_decode_blocks: u64,
+    /// Absent when the threshold or the worker's `total_kv_blocks` is unknown.
+    pub decode_busy: Option<bool>,
+    pub worker_load: WorkerLoad,
+}
+
+/// Reusable buffers of a selection, so the hot path does not allocate.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    rows: Vec<Candidate>,
+    origin: Vec<usize>,
+    costs: Vec<f64>,
+    partial: Vec<f64>,
+}
+
+impl Scratch {
+    /// Summed costs of the last selection, aligned with the rows it scored (the surviving
+    /// candidates in input order).
+    pub fn costs(&self) -> &[f64] {
+        &self.costs
+    }
+}
+
+/// Values of the router configuration the policy needs for the result fields.
+#[derive(Debug, Clone, Copy)]
+struct ResultSettings {
+    w_host: f64,
+    w_disk: f64,
+    prefill_busy_threshold: Option<f64>,
+    decode_busy_threshold: Option<f64>,
+}
+
+/// A worker-selection policy: filters, scorers and one picker (`service-semantics.md` §14).
+#[derive(Debug)]
+pub struct Policy {
+    filters: Vec<Box<dyn Filter>>,
+    scorers: Vec<Box<dyn Scorer>>,
+    picker: Box<dyn Picker>,
+    exclusive_affinity: bool,
+    settings: ResultSettings,
+}
+
+impl Policy {
+    /// A policy without filters.
+    pub fn new(
+        config: &RouterConfig,
+        scorers: Vec<Box<dyn Scorer>>,
+        picker: Box<dyn Picker>,
+    ) -> Self {
+        Self::new_with_filters(config, Vec::new(), scorers, picker)
+    }
+
+    /// A policy with filters run before scoring.
+    pub fn new_with_filters(
+        config: &RouterConfig,
+        filters: Vec<Box<dyn Filter>>,
+        scorers: Vec<Box<dyn Scorer>>,
+        picker: Box<dyn Picker>,
+    ) -> Self {
+        Self {
+            filters,
+            scorers,
+            picker,
+            exclusive_affinity: false,
+            settings: ResultSettings {
+                w_host: config.host_cache_hit_weight,
+                w_disk: config.disk_cache_hit_weight,
+                prefill_busy_threshold: config.conditional_disagg_prefill_busy_threshold,
+                decode_busy_threshold: config.conditional_disagg_decode_busy_threshold,
+            },
+        }
+    }
+
+    /// The built-in policy of `scheduling.md` §4: the default scorer, the temperature
+    /// picker, exclusive affinity.
+    pub fn default_policy(config: &RouterConfig, pool: crate::PoolLabel) -> Self {
+        Self::new(
+            config,
+            vec![Box::new(DefaultScorer::new(config, pool))],
+            Box::new(TemperaturePicker::new(config)),
+        )
+        .with_exclusive_affinity(true)
+    }
+
+    /// When set, an affinity target in the context restricts the candidates to it (if it is
+    /// among them).
+    pub fn with_exclusive_affinity(mut self, on: bool) -> Self {
+        self.exclusive_affinity = on;
+        self
+    }
+
+    /// Chooses one of `candidates`.
+    ///
+    /// Candidates should come in a deterministic order (e.g. ascending `(worker, rank)`):
+    /// the picker's tie-break and sampling depend on it and on `rng`.
+    pub fn select(
+        &self,
+        ctx: &SelectionContext<'_>,
+        candidates: &[Candidate],
+        scratch: &mut Scratch,
+        rng: &mut PickRng,
+    ) -> Result<Selection, PolicyError> {
+        if candidates.is_empty() {
+            return Err(PolicyError::NoCandidates);
+        }
+        let Scratch {
+            rows: kept,
+            origin,
+            costs,
+            partial,
+        } = scratch;
+        let affinity = match ctx.affinity {
+            Some(a) if self.exclusive_affinity && ctx.pinned.is_none() => {
+                candidates.iter().any(|c| a.matches(c.worker)).then_some(a)
+            }
+            _ => None,
+        };
+        let restricted = ctx.pinned.is_some() || affinity.is_some() || !self.filters.is_empty();
+        let rows: &[Candidate] = if restricted {
+            kept.clear();
+            origin.clear();
+            for (i, c) in candidates.iter().enumerate() {
+                let wanted = match (ctx.pinned, affinity) {
+                    (Some(p), _) => c.worker == p,
+                    (None, Some(a)) => a.matches(c.worker),
+                    (None, None) => true,
+                };
+                if wanted {
+                    kept.push(*c);
+                    origin.push(i);
+                }
+            }
+            if kept.is_empty()
+                && let Some(worker) = ctx.pinned
+            {
+                return Err(PolicyError::PinnedNotCandidate { worker });
+            }
+            let mut w = 0;
+            for r in 0..kept.len() {
+                let mut keep = true;
+                for f in &self.filters {
+                    if !f.keep(ctx, &kept[r])? {
+                        keep = false;
+                        break;
+                    }
+                }
+                if keep {
+                    kept[w] = kept[r];
+                    origin[w] = origin[r];
+                    w += 1;
+                }
+            }
+            kept.truncate(w);
+            origin.truncate(w);
+            if kept.is_empty() {
+                return Err(PolicyError::AllFiltered);
+            }
+            kept
+        } else {
+            candidates
+        };
+        let n = rows.len();
+        costs.clear();
+        if self.scorers.is_empty() {
+            costs.resize(n, 0.0);
+        } else {
+            costs.resize(n, f64::NAN);
+        }
+        for (s, scorer) in self.scorers.iter().enumerate() {
+            if s == 0 {
+                scorer.score(ctx, rows, costs)?;
+                check_finite(s, costs)?;
+            } else {
+                partial.clear();
+                partial.resize(n, f64::NAN);
+                scorer.score(ctx, rows, partial)?;
+                check_finite(s, partial)?;
+                for (c, p) in costs.iter_mut().zip(partial.iter()) {
+                    *c += p;
+                }
+                // A sum of finite values can still overflow.
+                check_finite(s, costs)?;
+            }
+        }
+        let row = if ctx.pinned.is_some() {
+            0
+        } else {
+            self.picker.pick(ctx, rows, costs, rng)?
+        };
+        let (Some(chosen), Some(&cost)) = (rows.get(row), costs.get(row)) else {
+            return Err(PolicyError::RowOutOfRange { row, len: n });
+        };
+        let input_row = if restricted { origin[row] } else { row };
+        Ok(self.describe(ctx, input_row, chosen, cost))
+    }
+
+    fn describe(
+        &self,
+        ctx: &SelectionContext<'_>,
+        row: usize,
+        c: &Candidate,
+        cost: f64,
+    ) -> Selection {
+        let s = self.settings;
+        let effective = c.cache.effective_overlap_blocks(s.w_host, s.w_disk);
+        let cached = cached_tokens(effective, ctx.block_size);
+        let load = c.load.unwrap_or_default();
+        let potential_decode_blocks =
+            load.potential_decode_blocks + ctx.request_blocks().saturating_sub(ctx.tracking_blocks);
+        let capacity = c
+            .capacity
+            .max_num_batched_tokens
+            .unwrap_or(DEFAULT_PREFILL_TOKEN_CAPACITY);
+        let decode_busy = match (s.decode_busy_threshold, c.capacity.total_kv_blocks) {
+            (Some(t), Some(total)) => Some(potential_decode_blocks as f64 > t * total as f64),
+            _ => None,
+        };
+        Selection {
+            row,
+            worker: c.worker,
+            cost,
+            cached_tokens: cached,
+            effective_overlap_blocks: effective,
+            effective_prefill_tokens: ctx.isl - ctx.isl.min(cached),
+            potential_decode_blocks,
+            decode_busy,
+            worker_load: WorkerLoad {
+                active_prefill_tokens: load.active_prefill_tokens,
+                prefill_token_capacity: capacity,
+                total_kv_blocks: c.capacity.total_kv_blocks,
+                prefill_busy: s
+                    .prefill_busy_threshold
+                    .map(|t| load.active_prefill_tokens as f64 > t * capacity as f64),
+            },
+        }
+    }
+}
+
+fn check_finite(scorer: usize, costs: &[f64]) -> Result<(), PolicyError> {
+    match costs.iter().position(|c| !c.is_finite()) {
+        None => Ok(()),
+        Some(row) => Err(PolicyError::NonFiniteCost {
+            scorer,
+            row,
+            value: costs[row],
+        }),
+    }
+}
