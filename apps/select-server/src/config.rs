@@ -1,0 +1,993 @@
+//! Command line and environment, parsed once into a typed [`ServerConfig`].
+//!
+//! This is the only module of the workspace that reads environment variables
+//! (`service-semantics.md` §15, `scheduling.md` §8.1). Flags win over their environment
+//! fallbacks. Invalid values stop startup with a clap error naming the flag or variable
+//! (exit code 2) — deliberately stricter than the reference, which silently keeps the default
+//! for unparsable numbers. Empty variables count as unset. Two variables keep the reference's
+//! documented fallback instead (`DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`,
+//! `DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS`); their warnings land in
+//! [`ServerConfig::warnings`] for `main` to log once tracing is up.
+
+use std::ffi::OsString;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser};
+use kv_types::{TrackingConfigError, TrackingHashAlgorithm, TrackingHasher};
+
+/// Largest `--session-affinity-ttl-secs` (one year).
+pub const MAX_SESSION_AFFINITY_TTL_SECS: u64 = 31_536_000;
+
+/// Fallback of `DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`.
+pub const DEFAULT_ACTIVE_REQUEST_EXPIRY: Duration = Duration::from_secs(300);
+
+/// Default of `DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS`.
+pub const DEFAULT_OVERLAP_REFRESH_AFTER: Duration = Duration::from_secs(10);
+
+const ENV_HELP: &str = "\
+Environment (router configuration, read once at startup; defaults in parentheses):
+  DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS (300)   booking expiry; unparsable or 0 -> 300 with a warning
+  DYN_ROUTER_USE_KV_EVENTS / DYN_USE_KV_EVENTS (true)
+  DYN_ROUTER_REPLICA_SYNC (false)
+  DYN_ROUTER_TRACK_ACTIVE_BLOCKS (true), DYN_ROUTER_TRACK_OUTPUT_BLOCKS (false)
+  DYN_ROUTER_TRACK_PREFILL_TOKENS (true), DYN_ROUTER_ASSUME_KV_REUSE (true)
+  DYN_ROUTER_TRACKING_HASH (public-xxh3-v1), DYN_ROUTER_TRACKING_KEY_FILE, DYN_ROUTER_TRACKING_KEY_ID
+  DYN_ROUTER_PREFILL_LOAD_MODEL (none: none|ais|aic)
+  DYN_ROUTER_TTL_SECS (120), DYN_ROUTER_APPROXIMATE_CACHE_POLICY (ttl: ttl|lru)
+  DYN_ROUTER_PREDICTED_TTL_SECS (unset)
+  DYN_ROUTER_HOST_CACHE_HIT_WEIGHT (0.75), DYN_ROUTER_DISK_CACHE_HIT_WEIGHT (0.25)
+  DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT (1.0), DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY (0)
+  DYN_ROUTER_PREFILL_LOAD_SCALE (1.0), DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT (0)
+  DYN_ROUTER_TEMPERATURE (0), DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT / DYN_OVERLAP_SCORE_WEIGHT (legacy)
+  DYN_SHARED_CACHE_TYPE (none: none|hicache), DYN_SHARED_CACHE_MULTIPLIER (unset, [0,1])
+  DYN_ROUTER_POLICY_CONFIG (unset: YAML policy file)
+  DYN_ROUTER_QUEUE_THRESHOLD (unset), DYN_ROUTER_QUEUE_POLICY (fcfs: fcfs|lcfs|wspt)
+  DYN_ROUTER_WORKER_SELECTION_POLICY, DYN_ROUTER_PREFILL_POLICY, DYN_ROUTER_DECODE_POLICY (unset)
+  DYN_ROUTER_EVENT_THREADS (4), DYN_USE_REMOTE_INDEXER (false)
+  DYN_ROUTER_CONDITIONAL_DISAGG (false), DYN_ROUTER_CONDITIONAL_DISAGG_POLICY (isl_bounding)
+  DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_THRESHOLD (2048)
+  DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_RATIO_THRESHOLD (0.7)
+  DYN_ROUTER_CONDITIONAL_DISAGG_PREFILL_BUSY_THRESHOLD (unset)
+  DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD (unset)
+  DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS (10; 0, negative or non-finite disables)
+  DYN_ROUTER_MIN_INITIAL_WORKERS (0)
+Booleans accept 1/true/on/yes and 0/false/off/no; an empty variable counts as unset.";
+
+/// The `select-server` command line (`service-semantics.md` §15.1 plus kv-select's own flags).
+#[derive(Debug, Parser)]
+#[command(
+    name = "select-server",
+    version,
+    about = "kv-select: picks the inference worker (and DP rank) for each prompt",
+    after_help = "Run with --help for the environment variables.",
+    after_long_help = ENV_HELP
+)]
+struct Cli {
+    /// HTTP bind address.
+    #[arg(long, default_value = "0.0.0.0", value_name = "ADDR")]
+    host: IpAddr,
+
+    /// HTTP port.
+    #[arg(long, default_value_t = 8092)]
+    port: u16,
+
+    /// KV indexer threads.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: u32,
+
+    /// Comma-separated HTTP base URLs of peers to recover the KV index from (`/dump`) at startup.
+    #[arg(long, value_delimiter = ',', value_name = "URLS")]
+    indexer_peers: Vec<String>,
+
+    /// Replica-sync ZMQ PUB port, bound as tcp://*:<port> (1-65535). Enables the replica mesh.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..), value_name = "PORT")]
+    replica_sync_port: Option<u16>,
+
+    /// Comma-separated ZMQ endpoints of replica peers (requires --replica-sync-port).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        requires = "replica_sync_port",
+        value_name = "ENDPOINTS"
+    )]
+    replica_sync_peers: Vec<String>,
+
+    /// Session-affinity TTL in seconds (1-31536000); enables session tables.
+    #[arg(long, value_parser = parse_affinity_ttl, value_name = "SECS")]
+    session_affinity_ttl_secs: Option<Duration>,
+
+    /// Pending-selection cache TTL in seconds (fractional accepted).
+    #[arg(long, default_value = "120", value_parser = parse_secs_f64, value_name = "SECS")]
+    selection_cache_ttl_secs: Duration,
+
+    /// Pending-selection cache entry limit.
+    #[arg(long, default_value_t = 4096)]
+    selection_cache_max_entries: usize,
+
+    /// Pending-selection cache byte limit.
+    #[arg(long, default_value_t = 268_435_456)]
+    selection_cache_max_bytes: u64,
+
+    /// Tracking-hash algorithm: public-xxh3-v1 or keyed-xxh3-v1 [env: DYN_ROUTER_TRACKING_HASH].
+    #[arg(long, value_parser = parse_tracking_hash, value_name = "ALGORITHM")]
+    router_tracking_hash: Option<TrackingHashAlgorithm>,
+
+    /// File with the 32 raw key bytes of keyed-xxh3-v1 [env: DYN_ROUTER_TRACKING_KEY_FILE].
+    #[arg(long, value_name = "PATH")]
+    router_tracking_key_file: Option<PathBuf>,
+
+    /// Key id (epoch label) of keyed-xxh3-v1 [env: DYN_ROUTER_TRACKING_KEY_ID].
+    #[arg(long, value_name = "ID")]
+    router_tracking_key_id: Option<String>,
+
+    /// Use real tracking hashes (KV reuse assumed) [env: DYN_ROUTER_ASSUME_KV_REUSE, default true].
+    #[arg(long, conflicts_with = "no_router_assume_kv_reuse")]
+    router_assume_kv_reuse: bool,
+
+    /// Use random tracking hashes (no KV reuse assumed).
+    #[arg(long)]
+    no_router_assume_kv_reuse: bool,
+
+    /// JSON file with an array of worker records (POST /workers bodies) registered at startup.
+    #[arg(long, value_name = "PATH")]
+    workers_file: Option<PathBuf>,
+
+    /// File holding a bearer token; when given, every route except /health requires
+    /// `Authorization: Bearer <token>`.
+    #[arg(long, value_name = "PATH")]
+    auth_token_file: Option<PathBuf>,
+
+    /// Upper bound on live reservations (default: unbounded).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), value_name = "N")]
+    max_active_reservations: Option<u64>,
+}
+
+/// Everything the process was configured with. Plain data; `Default` equals the spec defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServerConfig {
+    pub host: IpAddr,
+    pub port: u16,
+    pub threads: u32,
+    pub indexer_peers: Vec<String>,
+    pub replica_sync_port: Option<u16>,
+    pub replica_sync_peers: Vec<String>,
+    pub session_affinity_ttl: Option<Duration>,
+    pub selection_cache_ttl: Duration,
+    pub selection_cache_max_entries: usize,
+    pub selection_cache_max_bytes: u64,
+    pub tracking: TrackingSettings,
+    pub workers_file: Option<PathBuf>,
+    pub auth_token_file: Option<PathBuf>,
+    pub max_active_reservations: Option<u64>,
+    pub router: RouterSettings,
+    /// `DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`.
+    pub active_request_expiry: Duration,
+    /// `DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS`; `None` = refresh disabled.
+    pub overlap_refresh_after: Option<Duration>,
+    /// `DYN_ROUTER_MIN_INITIAL_WORKERS`.
+    pub min_initial_workers: u64,
+    /// Non-fatal notes produced while parsing (deprecated names, fallbacks), to be logged.
+    pub warnings: Vec<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: IpAddr::from([0, 0, 0, 0]),
+            port: 8092,
+            threads: 4,
+            indexer_peers: Vec::new(),
+            replica_sync_port: None,
+            replica_sync_peers: Vec::new(),
+            session_affinity_ttl: None,
+            selection_cache_ttl: Duration::from_secs(120),
+            selection_cache_max_entries: 4096,
+            selection_cache_max_bytes: 268_435_456,
+            tracking: TrackingSettings::default(),
+            workers_file: None,
+            auth_token_file: None,
+            max_active_reservations: None,
+            router: RouterSettings::default(),
+            active_request_expiry: DEFAULT_ACTIVE_REQUEST_EXPIRY,
+            overlap_refresh_after: Some(DEFAULT_OVERLAP_REFRESH_AFTER),
+            min_initial_workers: 0,
+            warnings: Vec::new(),
+        }
+    }
+}
+
+/// The three tracking-hash settings (`hashing.md` §5), validated by [`Self::hasher`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TrackingSettings {
+    pub algorithm: TrackingHashAlgorithm,
+    pub key_file: Option<PathBuf>,
+    pub key_id: Option<String>,
+}
+
+impl TrackingSettings {
+    /// Startup validation and key loading (a failure is a startup error, exit 1).
+    pub fn hasher(&self) -> Result<TrackingHasher, TrackingConfigError> {
+        TrackingHasher::from_settings(
+            Some(self.algorithm.as_str()),
+            self.key_file.as_deref(),
+            self.key_id.as_deref(),
+            |p| std::fs::read(p),
+        )
+    }
+}
+
+/// Router configuration from the environment (`scheduling.md` §8.1). `Default` = spec.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterSettings {
+    pub overlap_score_credit: f64,
+    pub overlap_score_credit_decay: f64,
+    pub prefill_load_scale: f64,
+    pub decode_active_request_weight: f64,
+    pub router_temperature: f64,
+    pub host_cache_hit_weight: f64,
+    pub disk_cache_hit_weight: f64,
+    pub use_kv_events: bool,
+    pub router_replica_sync: bool,
+    pub router_track_active_blocks: bool,
+    pub router_track_output_blocks: bool,
+    pub router_assume_kv_reuse: bool,
+    pub router_track_prefill_tokens: bool,
+    pub router_prefill_load_model: PrefillLoadModel,
+    pub router_ttl_secs: f64,
+    pub router_approximate_cache_policy: ApproximateCachePolicy,
+    pub router_predicted_ttl_secs: Option<f64>,
+    pub router_queue_threshold: Option<f64>,
+    pub router_queue_policy: QueuePolicy,
+    pub router_policy_config: Option<PathBuf>,
+    pub router_event_threads: u32,
+    pub use_remote_indexer: bool,
+    pub shared_cache_type: SharedCacheType,
+    pub shared_cache_multiplier: Option<f64>,
+    pub conditional_disagg_enabled: bool,
+    pub conditional_disagg_policy: ConditionalDisaggPolicy,
+    pub conditional_disagg_eff_isl_threshold: u64,
+    pub conditional_disagg_eff_isl_ratio_threshold: f64,
+    pub conditional_disagg_prefill_busy_threshold: Option<f64>,
+    pub conditional_disagg_decode_busy_threshold: Option<f64>,
+    pub worker_selection_policy: Option<String>,
+    pub prefill_policy: Option<String>,
+    pub decode_policy: Option<String>,
+}
+
+impl Default for RouterSettings {
+    fn default() -> Self {
+        Self {
+            overlap_score_credit: 1.0,
+            overlap_score_credit_decay: 0.0,
+            prefill_load_scale: 1.0,
+            decode_active_request_weight: 0.0,
+            router_temperature: 0.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
+            use_kv_events: true,
+            router_replica_sync: false,
+            router_track_active_blocks: true,
+            router_track_output_blocks: false,
+            router_assume_kv_reuse: true,
+            router_track_prefill_tokens: true,
+            router_prefill_load_model: PrefillLoadModel::None,
+            router_ttl_secs: 120.0,
+            router_approximate_cache_policy: ApproximateCachePolicy::Ttl,
+            router_predicted_ttl_secs: None,
+            router_queue_threshold: None,
+            router_queue_policy: QueuePolicy::Fcfs,
+            router_policy_config: None,
+            router_event_threads: 4,
+            use_remote_indexer: false,
+            shared_cache_type: SharedCacheType::None,
+            shared_cache_multiplier: None,
+            conditional_disagg_enabled: false,
+            conditional_disagg_policy: ConditionalDisaggPolicy::IslBounding,
+            conditional_disagg_eff_isl_threshold: 2048,
+            conditional_disagg_eff_isl_ratio_threshold: 0.7,
+            conditional_disagg_prefill_busy_threshold: None,
+            conditional_disagg_decode_busy_threshold: None,
+            worker_selection_policy: None,
+            prefill_policy: None,
+            decode_policy: None,
+        }
+    }
+}
+
+// One definition of the router enums: selection-policy owns them (and their spellings).
+pub use selection_policy::{
+    ApproximateCachePolicy, ConditionalDisaggPolicy, PrefillLoadModel, QueuePolicy, SharedCacheType,
+};
+
+impl ServerConfig {
+    /// Parses the process's arguments and environment; prints the error and exits
+    /// (code 2; 0 for `--help`/`--version`) when they are invalid.
+    pub fn from_process() -> Self {
+        match Self::parse_from(std::env::args_os(), process_env) {
+            Ok(cfg) => cfg,
+            Err(e) => e.exit(),
+        }
+    }
+
+    /// Parses `args` (including the program name) with `env` as the environment.
+    pub fn parse_from<I, T>(
+        args: I,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let cli = Cli::try_parse_from(args)?;
+        let mut env = EnvReader {
+            get: &env,
+            warnings: Vec::new(),
+        };
+        let result = Self::build(cli, &mut env);
+        result.map_err(|msg| {
+            let mut cmd = Cli::command();
+            clap::Error::raw(ErrorKind::InvalidValue, msg).format(&mut cmd)
+        })
+    }
+
+    fn build(cli: Cli, env: &mut EnvReader<'_>) -> Result<Self, String> {
+        let mut router = env.router_settings()?;
+        if cli.router_assume_kv_reuse {
+            router.router_assume_kv_reuse = true;
+        } else if cli.no_router_assume_kv_reuse {
+            router.router_assume_kv_reuse = false;
+        }
+        let algorithm = match cli.router_tracking_hash {
+            Some(a) => a,
+            None => env
+                .parsed("DYN_ROUTER_TRACKING_HASH", |s| {
+                    s.parse::<TrackingHashAlgorithm>()
+                        .map_err(|e| e.to_string())
+                })?
+                .unwrap_or_default(),
+        };
+        let tracking = TrackingSettings {
+            algorithm,
+            key_file: cli
+                .router_tracking_key_file
+                .or_else(|| env.get("DYN_ROUTER_TRACKING_KEY_FILE").map(PathBuf::from)),
+            // Not trimmed: surrounding whitespace in a key id is a startup error (§5.1).
+            key_id: cli
+                .router_tracking_key_id
+                .or_else(|| env.raw("DYN_ROUTER_TRACKING_KEY_ID")),
+        };
+        let active_request_expiry = env.active_request_expiry();
+        let overlap_refresh_after = env.overlap_refresh_after();
+        let min_initial_workers = env
+            .parsed("DYN_ROUTER_MIN_INITIAL_WORKERS", |s| {
+                s.parse::<u64>()
+                    .map_err(|_| "expected a non-negative integer".to_owned())
+            })?
+            .unwrap_or(0);
+        Ok(Self {
+            host: cli.host,
+            port: cli.port,
+            threads: cli.threads,
+            indexer_peers: non_empty(cli.indexer_peers),
+            replica_sync_port: cli.replica_sync_port,
+            replica_sync_peers: non_empty(cli.replica_sync_peers),
+            session_affinity_ttl: cli.session_affinity_ttl_secs,
+            selection_cache_ttl: cli.selection_cache_ttl_secs,
+            selection_cache_max_entries: cli.selection_cache_max_entries,
+            selection_cache_max_bytes: cli.selection_cache_max_bytes,
+            tracking,
+            workers_file: cli.workers_file,
+            auth_token_file: cli.auth_token_file,
+            max_active_reservations: cli.max_active_reservations,
+            router,
+            active_request_expiry,
+            overlap_refresh_after,
+            min_initial_workers,
+            warnings: std::mem::take(&mut env.warnings),
+        })
+    }
+}
+
+fn non_empty(v: Vec<String>) -> Vec<String> {
+    v.into_iter()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+#[expect(
+    clippy::disallowed_methods,
+    reason = "the app's config module is the one place that reads the environment"
+)]
+fn process_env(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+}
+
+fn parse_affinity_ttl(s: &str) -> Result<Duration, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) if (1..=MAX_SESSION_AFFINITY_TTL_SECS).contains(&n) => Ok(Duration::from_secs(n)),
+        _ => Err(format!(
+            "session affinity TTL must be between 1 and {MAX_SESSION_AFFINITY_TTL_SECS} seconds"
+        )),
+    }
+}
+
+fn parse_secs_f64(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| "expected a number of seconds".to_owned())?;
+    if !(secs.is_finite() && secs >= 0.0) {
+        return Err("must be finite and non-negative".to_owned());
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| e.to_string())
+}
+
+fn parse_tracking_hash(s: &str) -> Result<TrackingHashAlgorithm, String> {
+    s.parse().map_err(|e: TrackingConfigError| e.to_string())
+}
+
+/// Reads and validates environment variables; errors are full sentences naming the variable.
+struct EnvReader<'a> {
+    get: &'a dyn Fn(&str) -> Option<String>,
+    warnings: Vec<String>,
+}
+
+impl EnvReader<'_> {
+    /// The raw value, `None` when unset or empty.
+    fn raw(&self, name: &str) -> Option<String> {
+        (self.get)(name).filter(|v| !v.trim().is_empty())
+    }
+
+    /// The trimmed value, `None` when unset or empty.
+    fn get(&self, name: &str) -> Option<String> {
+        self.raw(name).map(|v| v.trim().to_owned())
+    }
+
+    fn parsed<T>(
+        &self,
+        name: &str,
+        parse: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Result<Option<T>, String> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => parse(&v).map(Some).map_err(|why| {
+                format!("invalid value '{v}' for environment variable {name}: {why}")
+            }),
+        }
+    }
+
+    fn deprecated(&mut self, name: &str) {
+        if self.get(name).is_some() {
+            self.warnings.push(format!(
+                "{name} is deprecated (removal planned in v1.7); use the router policy file"
+            ));
+        }
+    }
+
+    fn bool(&self, name: &str, default: bool) -> Result<bool, String> {
+        Ok(self.parsed(name, parse_bool)?.unwrap_or(default))
+    }
+
+    fn f64(&self, name: &str, check: Check) -> Result<Option<f64>, String> {
+        self.parsed(name, |s| {
+            let x: f64 = s.parse().map_err(|_| "expected a number".to_owned())?;
+            check.apply(x)?;
+            Ok(x)
+        })
+    }
+
+    fn enumeration<T>(&self, name: &str) -> Result<Option<T>, String>
+    where
+        T: FromStr<Err = selection_policy::ParseEnumError>,
+    {
+        self.parsed(name, |s| {
+            s.parse()
+                .map_err(|e: selection_policy::ParseEnumError| e.to_string())
+        })
+    }
+
+    fn router_settings(&mut self) -> Result<RouterSettings, String> {
+        let d = RouterSettings::default();
+        for name in [
+            "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",
+            "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",
+            "DYN_ROUTER_PREFILL_LOAD_SCALE",
+            "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT",
+            "DYN_OVERLAP_SCORE_WEIGHT",
+            "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",
+            "DYN_ROUTER_TEMPERATURE",
+            "DYN_ROUTER_QUEUE_THRESHOLD",
+            "DYN_ROUTER_QUEUE_POLICY",
+            "DYN_SHARED_CACHE_MULTIPLIER",
+        ] {
+            self.deprecated(name);
+        }
+        let nn = Check::NonNegative;
+        let unit = Check::UnitInterval;
+        let mut s = RouterSettings {
+            overlap_score_credit: self
+                .f64("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", nn)?
+                .unwrap_or(d.overlap_score_credit),
+            overlap_score_credit_decay: self
+                .f64("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY", nn)?
+                .unwrap_or(d.overlap_score_credit_decay),
+            prefill_load_scale: self
+                .f64("DYN_ROUTER_PREFILL_LOAD_SCALE", nn)?
+                .unwrap_or(d.prefill_load_scale),
+            decode_active_request_weight: self
+                .f64("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", nn)?
+                .unwrap_or(d.decode_active_request_weight),
+            router_temperature: self
+                .f64("DYN_ROUTER_TEMPERATURE", nn)?
+                .unwrap_or(d.router_temperature),
+            host_cache_hit_weight: self
+                .f64("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", unit)?
+                .unwrap_or(d.host_cache_hit_weight),
+            disk_cache_hit_weight: self
+                .f64("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT", unit)?
+                .unwrap_or(d.disk_cache_hit_weight),
+            use_kv_events: match self.get("DYN_ROUTER_USE_KV_EVENTS") {
+                Some(_) => self.bool("DYN_ROUTER_USE_KV_EVENTS", d.use_kv_events)?,
+                None => self.bool("DYN_USE_KV_EVENTS", d.use_kv_events)?,
+            },
+            router_replica_sync: self.bool("DYN_ROUTER_REPLICA_SYNC", d.router_replica_sync)?,
+            router_track_active_blocks: self.bool(
+                "DYN_ROUTER_TRACK_ACTIVE_BLOCKS",
+                d.router_track_active_blocks,
+            )?,
+            router_track_output_blocks: self.bool(
+                "DYN_ROUTER_TRACK_OUTPUT_BLOCKS",
+                d.router_track_output_blocks,
+            )?,
+            router_assume_kv_reuse: self
+                .bool("DYN_ROUTER_ASSUME_KV_REUSE", d.router_assume_kv_reuse)?,
+            router_track_prefill_tokens: self.bool(
+                "DYN_ROUTER_TRACK_PREFILL_TOKENS",
+                d.router_track_prefill_tokens,
+            )?,
+            router_prefill_load_model: self
+                .enumeration("DYN_ROUTER_PREFILL_LOAD_MODEL")?
+                .unwrap_or(d.router_prefill_load_model),
+            router_ttl_secs: self
+                .f64("DYN_ROUTER_TTL_SECS", nn)?
+                .unwrap_or(d.router_ttl_secs),
+            router_approximate_cache_policy: self
+                .enumeration("DYN_ROUTER_APPROXIMATE_CACHE_POLICY")?
+                .unwrap_or(d.router_approximate_cache_policy),
+            router_predicted_ttl_secs: self.f64("DYN_ROUTER_PREDICTED_TTL_SECS", nn)?,
+            router_queue_threshold: self.f64("DYN_ROUTER_QUEUE_THRESHOLD", nn)?,
+            router_queue_policy: self
+                .enumeration("DYN_ROUTER_QUEUE_POLICY")?
+                .unwrap_or(d.router_queue_policy),
+            router_policy_config: self.get("DYN_ROUTER_POLICY_CONFIG").map(PathBuf::from),
+            router_event_threads: self
+                .parsed("DYN_ROUTER_EVENT_THREADS", |s| {
+                    s.parse::<u32>()
+                        .map_err(|_| "expected a positive integer".to_owned())
+                })?
+                .unwrap_or(d.router_event_threads),
+            use_remote_indexer: self.bool("DYN_USE_REMOTE_INDEXER", d.use_remote_indexer)?,
+            shared_cache_type: self
+                .enumeration("DYN_SHARED_CACHE_TYPE")?
+                .unwrap_or(d.shared_cache_type),
+            shared_cache_multiplier: self.f64("DYN_SHARED_CACHE_MULTIPLIER", unit)?,
+            conditional_disagg_enabled: self.bool(
+                "DYN_ROUTER_CONDITIONAL_DISAGG",
+                d.conditional_disagg_enabled,
+            )?,
+            conditional_disagg_policy: d.conditional_disagg_policy,
+            conditional_disagg_eff_isl_threshold: self
+                .parsed("DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_THRESHOLD", |s| {
+                    s.parse::<u64>()
+                        .map_err(|_| "expected a non-negative integer".to_owned())
+                })?
+                .unwrap_or(d.conditional_disagg_eff_isl_threshold),
+            conditional_disagg_eff_isl_ratio_threshold: self
+                .f64(
+                    "DYN_ROUTER_CONDITIONAL_DISAGG_EFF_ISL_RATIO_THRESHOLD",
+                    unit,
+                )?
+                .unwrap_or(d.conditional_disagg_eff_isl_ratio_threshold),
+            conditional_disagg_prefill_busy_threshold: self
+                .f64("DYN_ROUTER_CONDITIONAL_DISAGG_PREFILL_BUSY_THRESHOLD", nn)?,
+            conditional_disagg_decode_busy_threshold: self
+                .f64("DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD", nn)?,
+            worker_selection_policy: self.get("DYN_ROUTER_WORKER_SELECTION_POLICY"),
+            prefill_policy: self.get("DYN_ROUTER_PREFILL_POLICY"),
+            decode_policy: self.get("DYN_ROUTER_DECODE_POLICY"),
+        };
+
+        // The reference ignores an unparsable policy name here (and only here).
+        if let Some(v) = self.get("DYN_ROUTER_CONDITIONAL_DISAGG_POLICY") {
+            match v.parse() {
+                Ok(p) => s.conditional_disagg_policy = p,
+                Err(why) => self.warnings.push(format!(
+                    "ignoring DYN_ROUTER_CONDITIONAL_DISAGG_POLICY='{v}' ({why}); using isl_bounding"
+                )),
+            }
+        }
+
+        // Legacy weight, applied after the three fields it overrides.
+        let weight = match self.f64("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", nn)? {
+            Some(w) => Some(w),
+            None => self.f64("DYN_OVERLAP_SCORE_WEIGHT", nn)?,
+        };
+        if let Some(w) = weight {
+            s.prefill_load_scale = w;
+            if w == 0.0 {
+                s.overlap_score_credit = 0.0;
+            }
+        }
+
+        if s.router_track_output_blocks && !s.router_track_active_blocks {
+            return Err(
+                "router_track_output_blocks requires router_track_active_blocks=true".to_owned(),
+            );
+        }
+        if s.router_prefill_load_model != PrefillLoadModel::None && !s.router_track_prefill_tokens {
+            return Err(
+                "router_prefill_load_model requires router_track_prefill_tokens=true".to_owned(),
+            );
+        }
+        if s.router_predicted_ttl_secs.is_some() && !s.use_kv_events {
+            return Err("router_predicted_ttl_secs requires use_kv_events=true".to_owned());
+        }
+        if s.router_event_threads < 1 {
+            return Err("router_event_threads must be at least 1".to_owned());
+        }
+        if s.conditional_disagg_enabled
+            && s.conditional_disagg_policy != ConditionalDisaggPolicy::IslBounding
+            && s.conditional_disagg_prefill_busy_threshold.is_none()
+            && s.router_queue_threshold.is_none()
+        {
+            return Err("a load-based conditional_disagg_policy requires \
+                 DYN_ROUTER_CONDITIONAL_DISAGG_PREFILL_BUSY_THRESHOLD or DYN_ROUTER_QUEUE_THRESHOLD"
+                .to_owned());
+        }
+        Ok(s)
+    }
+
+    /// Positive integer seconds; absent → 300; unparsable or 0 → 300 with a warning.
+    fn active_request_expiry(&mut self) -> Duration {
+        const NAME: &str = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS";
+        match self.get(NAME) {
+            None => DEFAULT_ACTIVE_REQUEST_EXPIRY,
+            Some(v) => match v.parse::<u64>() {
+                Ok(n) if n > 0 => Duration::from_secs(n),
+                _ => {
+                    self.warnings.push(format!(
+                        "{NAME}='{v}' is not a positive integer; using 300 seconds"
+                    ));
+                    DEFAULT_ACTIVE_REQUEST_EXPIRY
+                }
+            },
+        }
+    }
+
+    /// Seconds; 0, negative or non-finite disables; unparsable → 10 with a warning.
+    fn overlap_refresh_after(&mut self) -> Option<Duration> {
+        const NAME: &str = "DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS";
+        match self.get(NAME) {
+            None => Some(DEFAULT_OVERLAP_REFRESH_AFTER),
+            Some(v) => match v.parse::<f64>() {
+                Ok(x) if x.is_finite() && x > 0.0 => Duration::try_from_secs_f64(x).ok(),
+                Ok(_) => None,
+                Err(_) => {
+                    self.warnings
+                        .push(format!("{NAME}='{v}' is not a number; using 10 seconds"));
+                    Some(DEFAULT_OVERLAP_REFRESH_AFTER)
+                }
+            },
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Check {
+    NonNegative,
+    UnitInterval,
+}
+
+impl Check {
+    fn apply(self, x: f64) -> Result<(), String> {
+        match self {
+            Check::NonNegative if !(x.is_finite() && x >= 0.0) => {
+                Err("must be finite and non-negative".to_owned())
+            }
+            Check::UnitInterval if !(0.0..=1.0).contains(&x) => {
+                Err("must be between 0 and 1".to_owned())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" => Ok(false),
+        _ => Err("expected one of 1, true, on, yes, 0, false, off, no".to_owned()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn parse(args: &[&str], env: &[(&str, &str)]) -> Result<ServerConfig, clap::Error> {
+        let env: HashMap<String, String> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let argv = std::iter::once("select-server").chain(args.iter().copied());
+        ServerConfig::parse_from(argv, |k| env.get(k).cloned())
+    }
+
+    fn err(args: &[&str], env: &[(&str, &str)]) -> String {
+        let e = parse(args, env).unwrap_err();
+        assert_eq!(e.exit_code(), 2, "{e}");
+        e.to_string()
+    }
+
+    #[test]
+    fn defaults_equal_the_spec() {
+        let cfg = parse(&[], &[]).unwrap();
+        assert_eq!(cfg, ServerConfig::default());
+        assert_eq!(cfg.port, 8092);
+        assert_eq!(cfg.threads, 4);
+        assert_eq!(cfg.host.to_string(), "0.0.0.0");
+        assert_eq!(cfg.selection_cache_ttl, Duration::from_secs(120));
+        assert_eq!(cfg.selection_cache_max_entries, 4096);
+        assert_eq!(cfg.selection_cache_max_bytes, 268_435_456);
+        assert_eq!(cfg.tracking.algorithm, TrackingHashAlgorithm::PublicXxh3V1);
+        assert!(cfg.router.router_assume_kv_reuse);
+        assert!(cfg.router.use_kv_events);
+        assert!(cfg.router.router_track_prefill_tokens);
+        assert_eq!(cfg.router.host_cache_hit_weight, 0.75);
+        assert_eq!(cfg.router.disk_cache_hit_weight, 0.25);
+        assert_eq!(cfg.active_request_expiry, Duration::from_secs(300));
+        assert_eq!(cfg.overlap_refresh_after, Some(Duration::from_secs(10)));
+        assert!(cfg.warnings.is_empty());
+    }
+
+    #[test]
+    fn flags_parse() {
+        let cfg = parse(
+            &[
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "1234",
+                "--indexer-peers",
+                "http://a:1,http://b:2",
+                "--replica-sync-port",
+                "9092",
+                "--replica-sync-peers",
+                "tcp://x:1,tcp://y:2",
+                "--session-affinity-ttl-secs",
+                "60",
+                "--selection-cache-ttl-secs",
+                "0.5",
+                "--no-router-assume-kv-reuse",
+                "--max-active-reservations",
+                "10",
+            ],
+            &[("DYN_ROUTER_ASSUME_KV_REUSE", "true")],
+        )
+        .unwrap();
+        assert_eq!(cfg.port, 1234);
+        assert_eq!(cfg.indexer_peers, ["http://a:1", "http://b:2"]);
+        assert_eq!(cfg.replica_sync_peers, ["tcp://x:1", "tcp://y:2"]);
+        assert_eq!(cfg.session_affinity_ttl, Some(Duration::from_secs(60)));
+        assert_eq!(cfg.selection_cache_ttl, Duration::from_millis(500));
+        assert!(!cfg.router.router_assume_kv_reuse);
+        assert_eq!(cfg.max_active_reservations, Some(10));
+    }
+
+    #[test]
+    fn replica_peers_require_the_sync_port() {
+        let msg = err(&["--replica-sync-peers", "tcp://127.0.0.1:1"], &[]);
+        assert!(msg.contains("--replica-sync-port"), "{msg}");
+    }
+
+    #[test]
+    fn affinity_ttl_range() {
+        for bad in ["0", "31536001", "-1", "x"] {
+            let arg = format!("--session-affinity-ttl-secs={bad}");
+            let msg = err(&[&arg], &[]);
+            assert!(
+                msg.contains("session affinity TTL must be between 1 and 31536000 seconds"),
+                "{msg}"
+            );
+        }
+        let cfg = parse(&["--session-affinity-ttl-secs", "31536000"], &[]).unwrap();
+        assert_eq!(
+            cfg.session_affinity_ttl,
+            Some(Duration::from_secs(31_536_000))
+        );
+    }
+
+    #[test]
+    fn invalid_flags_name_the_flag() {
+        let msg = err(&["--router-tracking-hash", "md5"], &[]);
+        assert!(msg.contains("--router-tracking-hash"), "{msg}");
+        assert!(msg.contains("public-xxh3-v1 or keyed-xxh3-v1"), "{msg}");
+        for (flag, value) in [
+            ("--port", "70000"),
+            ("--threads", "0"),
+            ("--replica-sync-port", "0"),
+            ("--selection-cache-ttl-secs", "-1"),
+            ("--selection-cache-max-entries", "many"),
+            ("--host", "not-an-ip"),
+        ] {
+            let arg = format!("{flag}={value}");
+            let msg = err(&[&arg], &[]);
+            assert!(msg.contains(flag), "{flag}: {msg}");
+        }
+        let msg = err(
+            &["--router-assume-kv-reuse", "--no-router-assume-kv-reuse"],
+            &[],
+        );
+        assert!(msg.contains("cannot be used with"), "{msg}");
+    }
+
+    #[test]
+    fn invalid_env_values_name_the_variable() {
+        for (name, value) in [
+            ("DYN_ROUTER_TEMPERATURE", "-1"),
+            ("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", "1.5"),
+            ("DYN_ROUTER_USE_KV_EVENTS", "maybe"),
+            ("DYN_ROUTER_QUEUE_POLICY", "random"),
+            ("DYN_ROUTER_MIN_INITIAL_WORKERS", "-3"),
+            ("DYN_ROUTER_TRACKING_HASH", "md5"),
+            ("DYN_ROUTER_TTL_SECS", "abc"),
+        ] {
+            let msg = err(&[], &[(name, value)]);
+            assert!(msg.contains(name), "{name}: {msg}");
+        }
+    }
+
+    #[test]
+    fn env_values_apply_and_flags_win() {
+        let cfg = parse(
+            &["--router-tracking-hash", "public-xxh3-v1"],
+            &[
+                ("DYN_ROUTER_TRACKING_HASH", "keyed-xxh3-v1"),
+                ("DYN_ROUTER_TRACKING_KEY_ID", "epoch-1"),
+                ("DYN_USE_KV_EVENTS", "off"),
+                ("DYN_ROUTER_TRACK_PREFILL_TOKENS", " No "),
+                ("DYN_ROUTER_QUEUE_THRESHOLD", "0.5"),
+                ("DYN_ROUTER_APPROXIMATE_CACHE_POLICY", "LRU"),
+                ("DYN_ROUTER_PREFILL_POLICY", ""),
+                ("DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD", "0.9"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(cfg.tracking.algorithm, TrackingHashAlgorithm::PublicXxh3V1);
+        assert_eq!(cfg.tracking.key_id.as_deref(), Some("epoch-1"));
+        assert!(!cfg.router.use_kv_events);
+        assert!(!cfg.router.router_track_prefill_tokens);
+        assert_eq!(cfg.router.router_queue_threshold, Some(0.5));
+        assert_eq!(
+            cfg.router.router_approximate_cache_policy,
+            ApproximateCachePolicy::Lru
+        );
+        assert_eq!(cfg.router.prefill_policy, None);
+        assert_eq!(
+            cfg.router.conditional_disagg_decode_busy_threshold,
+            Some(0.9)
+        );
+        assert!(
+            cfg.warnings
+                .iter()
+                .any(|w| w.contains("DYN_ROUTER_QUEUE_THRESHOLD"))
+        );
+        // public mode with a key id is rejected at startup (exit 1), not by the parser
+        assert!(cfg.tracking.hasher().is_err());
+    }
+
+    #[test]
+    fn legacy_overlap_weight() {
+        let cfg = parse(&[], &[("DYN_OVERLAP_SCORE_WEIGHT", "0")]).unwrap();
+        assert_eq!(cfg.router.prefill_load_scale, 0.0);
+        assert_eq!(cfg.router.overlap_score_credit, 0.0);
+        let cfg = parse(
+            &[],
+            &[
+                ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "2"),
+                ("DYN_OVERLAP_SCORE_WEIGHT", "0"),
+                ("DYN_ROUTER_PREFILL_LOAD_SCALE", "5"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(cfg.router.prefill_load_scale, 2.0);
+        assert_eq!(cfg.router.overlap_score_credit, 1.0);
+    }
+
+    #[test]
+    fn cross_field_rules() {
+        let msg = err(
+            &[],
+            &[
+                ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS", "1"),
+                ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS", "0"),
+            ],
+        );
+        assert!(msg.contains("router_track_output_blocks requires"), "{msg}");
+        let msg = err(
+            &[],
+            &[
+                ("DYN_ROUTER_PREDICTED_TTL_SECS", "5"),
+                ("DYN_ROUTER_USE_KV_EVENTS", "false"),
+            ],
+        );
+        assert!(msg.contains("router_predicted_ttl_secs requires"), "{msg}");
+        let msg = err(&[], &[("DYN_ROUTER_EVENT_THREADS", "0")]);
+        assert!(
+            msg.contains("router_event_threads must be at least 1"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn expiry_and_refresh_fallbacks() {
+        let check = |v: &str, want: u64, warns: bool| {
+            let cfg = parse(&[], &[("DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS", v)]).unwrap();
+            assert_eq!(cfg.active_request_expiry, Duration::from_secs(want), "{v}");
+            assert_eq!(!cfg.warnings.is_empty(), warns, "{v}");
+        };
+        check("60", 60, false);
+        check("0", 300, true);
+        check("abc", 300, true);
+        check("-5", 300, true);
+        check("", 300, false);
+
+        let refresh = |v: &str| {
+            parse(&[], &[("DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS", v)])
+                .unwrap()
+                .overlap_refresh_after
+        };
+        assert_eq!(refresh("2.5"), Some(Duration::from_millis(2500)));
+        assert_eq!(refresh("0"), None);
+        assert_eq!(refresh("-1"), None);
+        assert_eq!(refresh("inf"), None);
+        assert_eq!(refresh("soon"), Some(Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn help_documents_every_flag_and_variable() {
+        let help = Cli::command().render_long_help().to_string();
+        for flag in [
+            "--host",
+            "--port",
+            "--threads",
+            "--indexer-peers",
+            "--replica-sync-port",
+            "--replica-sync-peers",
+            "--session-affinity-ttl-secs",
+            "--selection-cache-ttl-secs",
+            "--selection-cache-max-entries",
+            "--selection-cache-max-bytes",
+            "--router-tracking-hash",
+            "--router-tracking-key-file",
+            "--router-tracking-key-id",
+            "--router-assume-kv-reuse",
+            "--no-router-assume-kv-reuse",
+            "--workers-file",
+            "--auth-token-file",
+            "--max-active-reservations",
+            "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",
+            "DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD",
+            "DYN_ROUTER_MIN_INITIAL_WORKERS",
+        ] {
+            assert!(help.contains(flag), "{flag} missing from --help");
+        }
+    }
+}

@@ -1,0 +1,1260 @@
+//! Request and response bodies, shaped exactly like `spec/http-api.md`.
+//!
+//! Hashes are `u64` here as everywhere inside kv-select; the signed JSON rendering of §1.3 is
+//! applied by the serde helpers in this module only. Rank-keyed maps are `BTreeMap<u32, _>`,
+//! which serde_json writes and reads with decimal string keys (`"0"`, `"1"`).
+//!
+//! Request bodies embed the prompt fields (§3) at their top level. They are deserialized
+//! through private wire structs that list those fields inline (no `#[serde(flatten)]`), so a
+//! field error names its path and large token arrays are not buffered twice.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kv_types::{BlockMmInfo, MmObject, i64_from_u64, u64_from_i64};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+// ---------------------------------------------------------------------------------------------
+// Prompt (§3)
+// ---------------------------------------------------------------------------------------------
+
+/// The prompt fields shared by `/select`, `/select_and_reserve`, `/reservations`,
+/// `/potential_loads` and `/overlap_scores` (§3). Raw, as received; see
+/// [`Prompt::selection_form`] and [`Prompt::reservation_form`] for the §3.1/§3.3 rules.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Prompt {
+    pub token_ids: Option<Vec<u32>>,
+    pub mm_routing_info: Option<MmRoutingInfo>,
+    /// Per-block multimodal info for `token_ids` (`null` entries are blocks without any).
+    pub block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
+    /// Public block hashes (signed on the wire).
+    pub block_hashes: Option<Vec<u64>>,
+    /// Tracking hashes (signed on the wire).
+    pub sequence_hashes: Option<Vec<u64>>,
+    pub isl_tokens: Option<u64>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    pub is_eagle: Option<bool>,
+}
+
+/// `mm_routing_info`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct MmRoutingInfo {
+    pub routing_token_ids: Vec<u32>,
+    #[serde(default, deserialize_with = "de_block_mm_infos")]
+    pub block_mm_infos: Vec<Option<BlockMmInfo>>,
+}
+
+/// Which form a prompt takes once the precedence of §3.1 is applied.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PromptForm<'a> {
+    /// Routing tokens (multimodal routing tokens or `token_ids`) with their per-block infos.
+    Tokens {
+        tokens: &'a [u32],
+        block_mm_infos: &'a [Option<BlockMmInfo>],
+    },
+    /// The hash-only trio. `block_hashes` is always `Some` from
+    /// [`Prompt::selection_form`]; it may be `None` from [`Prompt::reservation_form`].
+    Hashes {
+        block_hashes: Option<&'a [u64]>,
+        sequence_hashes: &'a [u64],
+        isl_tokens: u64,
+    },
+}
+
+impl PromptForm<'_> {
+    /// Normalised ISL (§3.2).
+    pub fn isl(&self) -> u64 {
+        match self {
+            PromptForm::Tokens { tokens, .. } => tokens.len() as u64,
+            PromptForm::Hashes { isl_tokens, .. } => *isl_tokens,
+        }
+    }
+}
+
+/// Prompt validation failures of §3.3 (all HTTP 400), with the reference's messages.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PromptError {
+    #[error("block_hashes is required without token_ids")]
+    MissingBlockHashes,
+    #[error("sequence_hashes is required without token_ids")]
+    MissingSequenceHashes,
+    #[error("isl_tokens is required without token_ids")]
+    MissingIslTokens,
+    #[error("isl_tokens must be greater than 0")]
+    ZeroIslTokens,
+    #[error(
+        "block_hashes length {block_hashes} must match sequence_hashes length {sequence_hashes}"
+    )]
+    LengthMismatch {
+        block_hashes: usize,
+        sequence_hashes: usize,
+    },
+    #[error("effective_prefill_tokens ({effective}) must not exceed isl_tokens ({isl})")]
+    EffectivePrefillExceedsIsl { effective: u64, isl: u64 },
+}
+
+impl From<PromptError> for crate::ApiError {
+    fn from(e: PromptError) -> Self {
+        crate::ApiError::bad_request(e.to_string())
+    }
+}
+
+impl Prompt {
+    /// The routing tokens of §3.1 steps 1–2, if a token form applies.
+    pub fn routing_tokens(&self) -> Option<(&[u32], &[Option<BlockMmInfo>])> {
+        if let Some(mm) = &self.mm_routing_info
+            && !mm.routing_token_ids.is_empty()
+        {
+            return Some((&mm.routing_token_ids, &mm.block_mm_infos));
+        }
+        self.token_ids
+            .as_deref()
+            .map(|t| (t, self.block_mm_infos.as_deref().unwrap_or(&[])))
+    }
+
+    /// Selection-style validation (§3.3; `/select`, `/select_and_reserve`,
+    /// `/potential_loads`, `/overlap_scores`).
+    pub fn selection_form(&self) -> Result<PromptForm<'_>, PromptError> {
+        if let Some((tokens, block_mm_infos)) = self.routing_tokens() {
+            return Ok(PromptForm::Tokens {
+                tokens,
+                block_mm_infos,
+            });
+        }
+        let block_hashes = self
+            .block_hashes
+            .as_deref()
+            .ok_or(PromptError::MissingBlockHashes)?;
+        let sequence_hashes = self
+            .sequence_hashes
+            .as_deref()
+            .ok_or(PromptError::MissingSequenceHashes)?;
+        let isl_tokens = self.isl_tokens.ok_or(PromptError::MissingIslTokens)?;
+        check_hash_trio(block_hashes, sequence_hashes, isl_tokens)?;
+        Ok(PromptForm::Hashes {
+            block_hashes: Some(block_hashes),
+            sequence_hashes,
+            isl_tokens,
+        })
+    }
+
+    /// Reservation-style validation (§3.3; explicit `/reservations` form): `block_hashes`
+    /// optional, `isl_tokens` may be 0, lengths not compared. When the partition records
+    /// routing decisions and `block_hashes` is present, the caller also applies
+    /// [`check_hash_trio`].
+    pub fn reservation_form(&self) -> Result<PromptForm<'_>, PromptError> {
+        if let Some((tokens, block_mm_infos)) = self.routing_tokens() {
+            return Ok(PromptForm::Tokens {
+                tokens,
+                block_mm_infos,
+            });
+        }
+        let sequence_hashes = self
+            .sequence_hashes
+            .as_deref()
+            .ok_or(PromptError::MissingSequenceHashes)?;
+        let isl_tokens = self.isl_tokens.ok_or(PromptError::MissingIslTokens)?;
+        Ok(PromptForm::Hashes {
+            block_hashes: self.block_hashes.as_deref(),
+            sequence_hashes,
+            isl_tokens,
+        })
+    }
+}
+
+/// Selection-style rules 4–5 of §3.3 for the hash-only form.
+pub fn check_hash_trio(
+    block_hashes: &[u64],
+    sequence_hashes: &[u64],
+    isl_tokens: u64,
+) -> Result<(), PromptError> {
+    if isl_tokens == 0 {
+        return Err(PromptError::ZeroIslTokens);
+    }
+    if block_hashes.len() != sequence_hashes.len() {
+        return Err(PromptError::LengthMismatch {
+            block_hashes: block_hashes.len(),
+            sequence_hashes: sequence_hashes.len(),
+        });
+    }
+    Ok(())
+}
+
+/// `effective_prefill_tokens ≤ normalised ISL` (§3.3).
+pub fn check_effective_prefill(effective: Option<u64>, isl: u64) -> Result<(), PromptError> {
+    match effective {
+        Some(effective) if effective > isl => {
+            Err(PromptError::EffectivePrefillExceedsIsl { effective, isl })
+        }
+        _ => Ok(()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared selection fields (§3.4)
+// ---------------------------------------------------------------------------------------------
+
+/// `router_config_override`. Unknown keys are ignored; known numeric fields are range-checked
+/// while deserializing, so a violation is a 422 naming the field.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct RouterConfigOverride {
+    #[serde(default, deserialize_with = "de_opt_non_negative")]
+    pub overlap_score_credit: Option<f64>,
+    #[serde(default, deserialize_with = "de_opt_non_negative")]
+    pub prefill_load_scale: Option<f64>,
+    /// Deprecated alias: sets `prefill_load_scale`, and `overlap_score_credit = 0` when 0.
+    /// Use [`RouterConfigOverride::resolved`] to apply it.
+    #[serde(default, deserialize_with = "de_opt_non_negative")]
+    pub overlap_score_weight: Option<f64>,
+    #[serde(default, deserialize_with = "de_opt_non_negative")]
+    pub router_temperature: Option<f64>,
+    #[serde(default)]
+    pub assume_kv_reuse: Option<bool>,
+    #[serde(default)]
+    pub track_prefill_tokens: Option<bool>,
+    #[serde(default, deserialize_with = "de_opt_unit_interval")]
+    pub shared_cache_multiplier: Option<f64>,
+}
+
+impl RouterConfigOverride {
+    /// Applies the deprecated `overlap_score_weight` alias (after the explicit fields, as the
+    /// environment variable does) and clears it.
+    #[must_use]
+    pub fn resolved(mut self) -> Self {
+        if let Some(w) = self.overlap_score_weight.take() {
+            self.prefill_load_scale = Some(w);
+            if w == 0.0 {
+                self.overlap_score_credit = Some(0.0);
+            }
+        }
+        self
+    }
+}
+
+/// `session_context`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct SessionContext {
+    pub session_id: String,
+    #[serde(default)]
+    pub parent_session_id: Option<String>,
+    #[serde(default)]
+    pub session_final: Option<bool>,
+    #[serde(default)]
+    pub input_trigger: Option<InputTrigger>,
+    #[serde(default)]
+    pub agent_headers: Option<BTreeMap<String, Vec<String>>>,
+}
+
+/// `session_context.input_trigger`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InputTrigger {
+    UserMessage,
+    ToolResult,
+    Other,
+}
+
+/// `affinity_target`: soft preference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub struct AffinityTarget {
+    pub worker_id: u64,
+    #[serde(default)]
+    pub dp_rank: Option<u32>,
+}
+
+/// `pinned_worker`: hard pin (both fields required).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub struct PinnedWorker {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+}
+
+/// `routing_constraints`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct RoutingConstraints {
+    #[serde(default)]
+    pub required_taints: BTreeSet<String>,
+    #[serde(default)]
+    pub preferred_taints: BTreeMap<String, f32>,
+}
+
+/// The shared fields of `/select` and `/select_and_reserve` (§3.4) plus the policy-class
+/// header (§1.6).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SelectionOptions {
+    pub model_name: String,
+    pub routing_group: String,
+    pub selection_id: Option<String>,
+    pub router_config_override: Option<RouterConfigOverride>,
+    pub expected_output_tokens: Option<u32>,
+    pub priority_jump: f64,
+    pub strict_priority: u32,
+    pub session_id: Option<String>,
+    pub session_context: Option<SessionContext>,
+    pub affinity_target: Option<AffinityTarget>,
+    pub pinned_worker: Option<PinnedWorker>,
+    pub allowed_worker_ids: Option<BTreeSet<u64>>,
+    pub routing_constraints: RoutingConstraints,
+    /// `x-dynamo-meta-policy-class` header, trimmed; `None` when absent, empty or not UTF-8.
+    pub policy_class: Option<String>,
+}
+
+impl SelectionOptions {
+    /// The affinity key: `session_context.session_id` when present, else `session_id`.
+    pub fn session_key(&self) -> Option<&str> {
+        match &self.session_context {
+            Some(ctx) => Some(&ctx.session_id),
+            None => self.session_id.as_deref(),
+        }
+    }
+
+    /// Whether the session steers/binds (no pin and no explicit affinity target, §3.4).
+    pub fn session_used_for_affinity(&self) -> bool {
+        self.affinity_target.is_none() && self.pinned_worker.is_none()
+    }
+}
+
+/// `POST /select` body.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SelectRequest {
+    pub prompt: Prompt,
+    pub options: SelectionOptions,
+    pub advisory: bool,
+}
+
+/// `POST /select_and_reserve` body (an `advisory` key is ignored).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SelectAndReserveRequest {
+    pub prompt: Prompt,
+    pub options: SelectionOptions,
+}
+
+/// `POST /reservations` body. `worker_id` present ⇒ explicit form, else replay form.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReservationRequest {
+    pub model_name: String,
+    pub routing_group: String,
+    pub selection_id: String,
+    pub worker_id: Option<u64>,
+    /// `None` means rank 0.
+    pub dp_rank: Option<u32>,
+    pub prompt: Prompt,
+    pub router_config_override: Option<RouterConfigOverride>,
+    pub expected_output_tokens: Option<u32>,
+    pub effective_prefill_tokens: Option<u64>,
+    pub track_prefill_tokens: Option<bool>,
+}
+
+/// `POST /potential_loads` and `POST /overlap_scores` body.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptQueryRequest {
+    pub model_name: String,
+    pub routing_group: String,
+    pub prompt: Prompt,
+    pub router_config_override: Option<RouterConfigOverride>,
+}
+
+/// `POST /reservations/{id}/output_block` body.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Deserialize)]
+pub struct OutputBlockRequest {
+    #[serde(default)]
+    pub decay_fraction: Option<f64>,
+}
+
+/// Body of the replica-sync peer routes.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct PeerRequest {
+    pub endpoint: String,
+}
+
+/// Outcome of `register_peer`: 201 or 200.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerRegistration {
+    Created,
+    AlreadyRegistered,
+}
+
+/// Query of `GET /workers`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerQuery {
+    pub model_name: Option<String>,
+    pub routing_group: Option<String>,
+}
+
+/// Query of `GET /loads` (same filters).
+pub type LoadsQuery = WorkerQuery;
+
+// ---------------------------------------------------------------------------------------------
+// Workers (§4)
+// ---------------------------------------------------------------------------------------------
+
+/// `kv_transfer_enforcement`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvTransferEnforcement {
+    Required,
+    Preferred,
+}
+
+/// `POST /workers` body (§4.1).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct WorkerRequest {
+    pub worker_id: u64,
+    #[serde(default = "default_name")]
+    pub model_name: String,
+    #[serde(default = "default_name")]
+    pub routing_group: String,
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    #[serde(default)]
+    pub kv_events_endpoint: Option<String>,
+    #[serde(default, deserialize_with = "de_null_default")]
+    pub kv_events_endpoints: BTreeMap<u32, String>,
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    #[serde(default)]
+    pub data_parallel_start_rank: Option<u32>,
+    #[serde(default)]
+    pub data_parallel_size: Option<u32>,
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<u64>,
+    #[serde(default)]
+    pub total_kv_blocks: Option<u64>,
+    #[serde(default)]
+    pub stable_routing_id: Option<String>,
+    #[serde(default)]
+    pub is_eagle: Option<bool>,
+    #[serde(default, deserialize_with = "de_null_default")]
+    pub taints: BTreeSet<String>,
+    #[serde(default, deserialize_with = "de_null_default")]
+    pub topology_domains: BTreeMap<String, String>,
+    #[serde(default)]
+    pub kv_transfer_domain: Option<String>,
+    #[serde(default)]
+    pub kv_transfer_enforcement: Option<KvTransferEnforcement>,
+    #[serde(default)]
+    pub kv_transfer_preferred_weight: Option<f32>,
+    #[serde(default)]
+    pub router_hint_worker_type: Option<String>,
+    #[serde(default, deserialize_with = "de_null_default")]
+    pub router_hint_source_control_endpoints: BTreeMap<u32, String>,
+    #[serde(default)]
+    pub kv_event_source_mode: Option<String>,
+}
+
+/// `PATCH /workers/{id}` body (§4.4): absent or `null` = unchanged; maps/sets replace
+/// wholesale when present. `worker_id`, `model_name`, `routing_group` are ignored (not parsed).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct WorkerPatch {
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    #[serde(default)]
+    pub kv_events_endpoint: Option<String>,
+    #[serde(default)]
+    pub kv_events_endpoints: Option<BTreeMap<u32, String>>,
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    #[serde(default)]
+    pub data_parallel_start_rank: Option<u32>,
+    #[serde(default)]
+    pub data_parallel_size: Option<u32>,
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<u64>,
+    #[serde(default)]
+    pub total_kv_blocks: Option<u64>,
+    #[serde(default)]
+    pub stable_routing_id: Option<String>,
+    #[serde(default)]
+    pub is_eagle: Option<bool>,
+    #[serde(default)]
+    pub taints: Option<BTreeSet<String>>,
+    #[serde(default)]
+    pub topology_domains: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    pub kv_transfer_domain: Option<String>,
+    #[serde(default)]
+    pub kv_transfer_enforcement: Option<KvTransferEnforcement>,
+    #[serde(default)]
+    pub kv_transfer_preferred_weight: Option<f32>,
+    #[serde(default)]
+    pub router_hint_worker_type: Option<String>,
+    #[serde(default)]
+    pub router_hint_source_control_endpoints: Option<BTreeMap<u32, String>>,
+    #[serde(default)]
+    pub kv_event_source_mode: Option<String>,
+}
+
+/// `lifecycle` of a catalog record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Lifecycle {
+    Schedulable,
+    Incomplete,
+    Draining,
+    Unschedulable,
+}
+
+/// Worker catalog record (§4.2), the response of the worker routes and an element of
+/// `GET /ready`. Field order is the reference's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub worker_id: u64,
+    pub model_name: String,
+    pub routing_group: String,
+    pub lifecycle: Lifecycle,
+    pub endpoint: Option<String>,
+    pub kv_events_endpoint: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kv_events_endpoints: BTreeMap<u32, String>,
+    pub replay_endpoint: Option<String>,
+    pub block_size: Option<u32>,
+    pub data_parallel_start_rank: Option<u32>,
+    pub data_parallel_size: Option<u32>,
+    pub max_num_batched_tokens: Option<u64>,
+    pub total_kv_blocks: Option<u64>,
+    pub stable_routing_id: Option<String>,
+    pub is_eagle: Option<bool>,
+    pub taints: BTreeSet<String>,
+    pub topology_domains: BTreeMap<String, String>,
+    pub kv_transfer_domain: Option<String>,
+    pub kv_transfer_enforcement: Option<KvTransferEnforcement>,
+    pub kv_transfer_preferred_weight: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_hint_worker_type: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub router_hint_source_control_endpoints: BTreeMap<u32, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_event_source_mode: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_schedulable_reasons: Vec<String>,
+}
+
+impl WorkerRecord {
+    /// The record echoing `req` (no defaulting, §4.2) with the given lifecycle and reasons.
+    pub fn from_request(
+        req: WorkerRequest,
+        lifecycle: Lifecycle,
+        not_schedulable_reasons: Vec<String>,
+    ) -> Self {
+        Self {
+            worker_id: req.worker_id,
+            model_name: req.model_name,
+            routing_group: req.routing_group,
+            lifecycle,
+            endpoint: req.endpoint,
+            kv_events_endpoint: req.kv_events_endpoint,
+            kv_events_endpoints: req.kv_events_endpoints,
+            replay_endpoint: req.replay_endpoint,
+            block_size: req.block_size,
+            data_parallel_start_rank: req.data_parallel_start_rank,
+            data_parallel_size: req.data_parallel_size,
+            max_num_batched_tokens: req.max_num_batched_tokens,
+            total_kv_blocks: req.total_kv_blocks,
+            stable_routing_id: req.stable_routing_id,
+            is_eagle: req.is_eagle,
+            taints: req.taints,
+            topology_domains: req.topology_domains,
+            kv_transfer_domain: req.kv_transfer_domain,
+            kv_transfer_enforcement: req.kv_transfer_enforcement,
+            kv_transfer_preferred_weight: req.kv_transfer_preferred_weight,
+            router_hint_worker_type: req.router_hint_worker_type,
+            router_hint_source_control_endpoints: req.router_hint_source_control_endpoints,
+            kv_event_source_mode: req.kv_event_source_mode,
+            not_schedulable_reasons,
+        }
+    }
+}
+
+impl WorkerRequest {
+    /// Applies a PATCH (§4.4): non-null fields replace, maps/sets replace wholesale.
+    pub fn apply_patch(&mut self, patch: WorkerPatch) {
+        fn set<T>(slot: &mut Option<T>, v: Option<T>) {
+            if v.is_some() {
+                *slot = v;
+            }
+        }
+        set(&mut self.endpoint, patch.endpoint);
+        set(&mut self.kv_events_endpoint, patch.kv_events_endpoint);
+        if let Some(m) = patch.kv_events_endpoints {
+            self.kv_events_endpoints = m;
+        }
+        set(&mut self.replay_endpoint, patch.replay_endpoint);
+        set(&mut self.block_size, patch.block_size);
+        set(
+            &mut self.data_parallel_start_rank,
+            patch.data_parallel_start_rank,
+        );
+        set(&mut self.data_parallel_size, patch.data_parallel_size);
+        set(
+            &mut self.max_num_batched_tokens,
+            patch.max_num_batched_tokens,
+        );
+        set(&mut self.total_kv_blocks, patch.total_kv_blocks);
+        set(&mut self.stable_routing_id, patch.stable_routing_id);
+        set(&mut self.is_eagle, patch.is_eagle);
+        if let Some(t) = patch.taints {
+            self.taints = t;
+        }
+        if let Some(t) = patch.topology_domains {
+            self.topology_domains = t;
+        }
+        set(&mut self.kv_transfer_domain, patch.kv_transfer_domain);
+        set(
+            &mut self.kv_transfer_enforcement,
+            patch.kv_transfer_enforcement,
+        );
+        set(
+            &mut self.kv_transfer_preferred_weight,
+            patch.kv_transfer_preferred_weight,
+        );
+        set(
+            &mut self.router_hint_worker_type,
+            patch.router_hint_worker_type,
+        );
+        if let Some(m) = patch.router_hint_source_control_endpoints {
+            self.router_hint_source_control_endpoints = m;
+        }
+        set(&mut self.kv_event_source_mode, patch.kv_event_source_mode);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Selection responses (§5)
+// ---------------------------------------------------------------------------------------------
+
+/// `overlap` of a selection response: matched **token** counts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Overlap {
+    pub longest_matched: u32,
+    pub gpu: u32,
+    /// Device-tier matched tokens for every DP rank of the chosen worker.
+    pub dp: BTreeMap<u32, u32>,
+    pub cpu: u32,
+    pub disk: u32,
+}
+
+/// `worker_load` (advisory `/select` only).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    pub active_prefill_tokens: u64,
+    pub prefill_token_capacity: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_kv_blocks: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_busy: Option<bool>,
+}
+
+/// `kv_hint` (§5.4).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvHint {
+    pub protocol_version: String,
+    pub message_id: String,
+    pub actions: Vec<KvHintAction>,
+}
+
+impl KvHint {
+    /// The single `kv.fetch` action hint the service emits.
+    pub fn kv_fetch(selection_id: &str, source_control_endpoint: String, blocks: Vec<u64>) -> Self {
+        Self {
+            protocol_version: "0.1".to_owned(),
+            message_id: selection_id.to_owned(),
+            actions: vec![KvHintAction {
+                action_id: "a1".to_owned(),
+                action_type: "kv.fetch".to_owned(),
+                action_version: "1.0".to_owned(),
+                payload: KvFetchPayload {
+                    source_control_endpoint,
+                    block_hashes: blocks,
+                },
+            }],
+        }
+    }
+}
+
+/// One action of a [`KvHint`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvHintAction {
+    pub action_id: String,
+    pub action_type: String,
+    pub action_version: String,
+    pub payload: KvFetchPayload,
+}
+
+/// Payload of a `kv.fetch` action. `block_hashes` are external sequence hashes, written as
+/// **unsigned** integers (unlike every other hash of the API).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvFetchPayload {
+    pub source_control_endpoint: String,
+    pub block_hashes: Vec<u64>,
+}
+
+/// Response of `/select` and `/select_and_reserve` (§5.1). Field order is the reference's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SelectionResponse {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selection_id: Option<String>,
+    /// `/select_and_reserve` only; signed on the wire.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "ser_opt_signed",
+        deserialize_with = "de_opt_signed"
+    )]
+    pub sequence_hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isl_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub track_prefill_tokens: Option<bool>,
+    pub model_name: String,
+    pub routing_group: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub endpoint: String,
+    pub block_size: u32,
+    pub overlap: Overlap,
+    pub effective_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_busy: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_load: Option<WorkerLoad>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_hint: Option<KvHint>,
+}
+
+/// Response of `POST /reservations` (201).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservationResponse {
+    pub selection_id: String,
+    pub model_name: String,
+    pub routing_group: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub endpoint: String,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Health, readiness, inspection (§7, §8)
+// ---------------------------------------------------------------------------------------------
+
+/// `GET /ready` body (200 when `ready`, else 503).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReadyResponse {
+    pub ready: bool,
+    pub schedulable_workers: u64,
+    pub workers: Vec<WorkerRecord>,
+}
+
+/// One row of `/loads[*].loads` and of `/potential_loads`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankLoad {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub potential_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u64,
+}
+
+/// One element of `GET /loads`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionLoads {
+    pub model_name: String,
+    pub routing_group: String,
+    pub loads: Vec<RankLoad>,
+    pub pending_count: u64,
+    pub pending_isl_tokens: u64,
+}
+
+/// `POST /overlap_scores` body.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OverlapScoresResponse {
+    pub block_size: u32,
+    pub num_blocks: u64,
+    pub workers: Vec<RankOverlapScores>,
+    pub shared_cache: SharedCacheScores,
+}
+
+/// One row of `overlap_scores.workers` (units: blocks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankOverlapScores {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub device_blocks: u64,
+    pub host_pinned_blocks: u64,
+    pub disk_blocks: u64,
+    pub host_pinned_extension_blocks: u64,
+    pub disk_extension_blocks: u64,
+    /// Always serialized (as `null` in the standalone service).
+    pub shared_beyond_device_blocks: Option<u64>,
+}
+
+/// `overlap_scores.shared_cache` (always disabled in the standalone service).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SharedCacheScores {
+    pub enabled: bool,
+    pub total_hit_blocks: u64,
+    /// Shape not specified by the contract (always empty in the standalone service).
+    pub ranges: Vec<serde_json::Value>,
+    pub error: Option<String>,
+}
+
+impl SharedCacheScores {
+    /// The standalone service's value: `{"enabled":false,"total_hit_blocks":0,"ranges":[],"error":null}`.
+    pub fn disabled() -> Self {
+        Self::default()
+    }
+}
+
+/// A response body that is already serialized JSON (used for `/dump`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawJson(pub bytes::Bytes);
+
+/// `{"status":"ok"}`.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct StatusOk {
+    pub status: &'static str,
+}
+
+impl StatusOk {
+    pub const OK: StatusOk = StatusOk { status: "ok" };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wire structs (prompt fields inline) and conversions
+// ---------------------------------------------------------------------------------------------
+
+fn default_name() -> String {
+    "default".to_owned()
+}
+
+#[derive(Deserialize)]
+pub(crate) struct WireSelection {
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    mm_routing_info: Option<MmRoutingInfo>,
+    #[serde(default, deserialize_with = "de_opt_block_mm_infos")]
+    block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
+    #[serde(default, deserialize_with = "de_opt_signed")]
+    block_hashes: Option<Vec<u64>>,
+    #[serde(default, deserialize_with = "de_opt_signed")]
+    sequence_hashes: Option<Vec<u64>>,
+    #[serde(default)]
+    isl_tokens: Option<u64>,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    is_eagle: Option<bool>,
+
+    #[serde(default = "default_name")]
+    model_name: String,
+    #[serde(default = "default_name")]
+    routing_group: String,
+    #[serde(default)]
+    selection_id: Option<String>,
+    #[serde(default)]
+    router_config_override: Option<RouterConfigOverride>,
+    #[serde(default)]
+    expected_output_tokens: Option<u32>,
+    #[serde(default)]
+    priority_jump: Option<f64>,
+    #[serde(default)]
+    strict_priority: Option<u32>,
+    #[serde(default)]
+    session_id: Option<String>,
+    #[serde(default)]
+    session_context: Option<SessionContext>,
+    #[serde(default)]
+    affinity_target: Option<AffinityTarget>,
+    #[serde(default)]
+    pinned_worker: Option<PinnedWorker>,
+    #[serde(default)]
+    allowed_worker_ids: Option<BTreeSet<u64>>,
+    #[serde(default)]
+    routing_constraints: Option<RoutingConstraints>,
+    #[serde(default)]
+    advisory: Option<bool>,
+}
+
+impl WireSelection {
+    /// Splits into prompt, options and the `advisory` flag.
+    pub(crate) fn split(self, policy_class: Option<String>) -> (Prompt, SelectionOptions, bool) {
+        let prompt = Prompt {
+            token_ids: self.token_ids,
+            mm_routing_info: self.mm_routing_info,
+            block_mm_infos: self.block_mm_infos,
+            block_hashes: self.block_hashes,
+            sequence_hashes: self.sequence_hashes,
+            isl_tokens: self.isl_tokens,
+            lora_name: self.lora_name,
+            cache_salt: self.cache_salt,
+            is_eagle: self.is_eagle,
+        };
+        let options = SelectionOptions {
+            model_name: self.model_name,
+            routing_group: self.routing_group,
+            selection_id: self.selection_id,
+            router_config_override: self.router_config_override,
+            expected_output_tokens: self.expected_output_tokens,
+            priority_jump: self.priority_jump.unwrap_or(0.0),
+            strict_priority: self.strict_priority.unwrap_or(0),
+            session_id: self.session_id,
+            session_context: self.session_context,
+            affinity_target: self.affinity_target,
+            pinned_worker: self.pinned_worker,
+            allowed_worker_ids: self.allowed_worker_ids,
+            routing_constraints: self.routing_constraints.unwrap_or_default(),
+            policy_class,
+        };
+        (prompt, options, self.advisory.unwrap_or(false))
+    }
+}
+
+#[derive(Deserialize)]
+pub(crate) struct WireReservation {
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    mm_routing_info: Option<MmRoutingInfo>,
+    #[serde(default, deserialize_with = "de_opt_block_mm_infos")]
+    block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
+    #[serde(default, deserialize_with = "de_opt_signed")]
+    block_hashes: Option<Vec<u64>>,
+    #[serde(default, deserialize_with = "de_opt_signed")]
+    sequence_hashes: Option<Vec<u64>>,
+    #[serde(default)]
+    isl_tokens: Option<u64>,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    is_eagle: Option<bool>,
+
+    #[serde(default = "default_name")]
+    model_name: String,
+    #[serde(default = "default_name")]
+    routing_group: String,
+    selection_id: String,
+    #[serde(default)]
+    worker_id: Option<u64>,
+    #[serde(default)]
+    dp_rank: Option<u32>,
+    #[serde(default)]
+    router_config_override: Option<RouterConfigOverride>,
+    #[serde(default)]
+    expected_output_tokens: Option<u32>,
+    #[serde(default)]
+    effective_prefill_tokens: Option<u64>,
+    #[serde(default)]
+    track_prefill_tokens: Option<bool>,
+}
+
+impl From<WireReservation> for ReservationRequest {
+    fn from(w: WireReservation) -> Self {
+        Self {
+            model_name: w.model_name,
+            routing_group: w.routing_group,
+            selection_id: w.selection_id,
+            worker_id: w.worker_id,
+            dp_rank: w.dp_rank,
+            prompt: Prompt {
+                token_ids: w.token_ids,
+                mm_routing_info: w.mm_routing_info,
+                block_mm_infos: w.block_mm_infos,
+                block_hashes: w.block_hashes,
+                sequence_hashes: w.sequence_hashes,
+                isl_tokens: w.isl_tokens,
+                lora_name: w.lora_name,
+                cache_salt: w.cache_salt,
+                is_eagle: w.is_eagle,
+            },
+            router_config_override: w.router_config_override,
+            expected_output_tokens: w.expected_output_tokens,
+            effective_prefill_tokens: w.effective_prefill_tokens,
+            track_prefill_tokens: w.track_prefill_tokens,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+pub(crate) struct WirePromptQuery {
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    mm_routing_info: Option<MmRoutingInfo>,
+    #[serde(default, deserialize_with = "de_opt_block_mm_infos")]
+    block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
+    #[serde(default, deserialize_with = "de_opt_signed")]
+    block_hashes: Option<Vec<u64>>,
+    #[serde(default, deserialize_with = "de_opt_signed")]
+    sequence_hashes: Option<Vec<u64>>,
+    #[serde(default)]
+    isl_tokens: Option<u64>,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    is_eagle: Option<bool>,
+
+    #[serde(default = "default_name")]
+    model_name: String,
+    #[serde(default = "default_name")]
+    routing_group: String,
+    #[serde(default)]
+    router_config_override: Option<RouterConfigOverride>,
+}
+
+impl From<WirePromptQuery> for PromptQueryRequest {
+    fn from(w: WirePromptQuery) -> Self {
+        Self {
+            model_name: w.model_name,
+            routing_group: w.routing_group,
+            prompt: Prompt {
+                token_ids: w.token_ids,
+                mm_routing_info: w.mm_routing_info,
+                block_mm_infos: w.block_mm_infos,
+                block_hashes: w.block_hashes,
+                sequence_hashes: w.sequence_hashes,
+                isl_tokens: w.isl_tokens,
+                lora_name: w.lora_name,
+                cache_salt: w.cache_salt,
+                is_eagle: w.is_eagle,
+            },
+            router_config_override: w.router_config_override,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// serde helpers
+// ---------------------------------------------------------------------------------------------
+
+fn ser_opt_signed<S: Serializer>(v: &Option<Vec<u64>>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(hashes) => s.collect_seq(hashes.iter().map(|&h| i64_from_u64(h))),
+        None => s.serialize_none(),
+    }
+}
+
+fn de_opt_signed<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u64>>, D::Error> {
+    // i64 and u64 have the same layout, so this collect reuses the allocation.
+    let v: Option<Vec<i64>> = Option::deserialize(d)?;
+    Ok(v.map(|v| v.into_iter().map(u64_from_i64).collect()))
+}
+
+#[derive(Deserialize)]
+struct WireBlockExtraInfo {
+    mm_objects: Vec<WireMmObject>,
+}
+
+#[derive(Deserialize)]
+struct WireMmObject {
+    mm_hash: u64,
+    offsets: Vec<[u64; 2]>,
+}
+
+fn convert_mm_infos(v: Vec<Option<WireBlockExtraInfo>>) -> Vec<Option<BlockMmInfo>> {
+    v.into_iter()
+        .map(|b| {
+            b.map(|b| BlockMmInfo {
+                mm_objects: b
+                    .mm_objects
+                    .into_iter()
+                    .map(|o| MmObject {
+                        mm_hash: o.mm_hash,
+                        offsets: o.offsets,
+                    })
+                    .collect(),
+            })
+        })
+        .collect()
+}
+
+fn de_block_mm_infos<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<Option<BlockMmInfo>>, D::Error> {
+    let v: Option<Vec<Option<WireBlockExtraInfo>>> = Option::deserialize(d)?;
+    Ok(v.map(convert_mm_infos).unwrap_or_default())
+}
+
+fn de_opt_block_mm_infos<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Vec<Option<BlockMmInfo>>>, D::Error> {
+    let v: Option<Vec<Option<WireBlockExtraInfo>>> = Option::deserialize(d)?;
+    Ok(v.map(convert_mm_infos))
+}
+
+fn de_null_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+fn de_opt_non_negative<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    let v: Option<f64> = Option::deserialize(d)?;
+    match v {
+        Some(x) if !(x.is_finite() && x >= 0.0) => Err(serde::de::Error::custom(format!(
+            "must be finite and non-negative, got {x}"
+        ))),
+        other => Ok(other),
+    }
+}
+
+fn de_opt_unit_interval<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    let v: Option<f64> = Option::deserialize(d)?;
+    match v {
+        Some(x) if !(0.0..=1.0).contains(&x) => Err(serde::de::Error::custom(format!(
+            "must be between 0 and 1, got {x}"
+        ))),
+        other => Ok(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompt(json: &str) -> Prompt {
+        let w: WireSelection = serde_json::from_str(json).unwrap();
+        w.split(None).0
+    }
+
+    #[test]
+    fn selection_form_rules_in_spec_order() {
+        let check = |json: &str, want: Result<(), PromptError>| {
+            let got = prompt(json).selection_form().map(|_| ());
+            assert_eq!(got, want, "{json}");
+        };
+        check("{}", Err(PromptError::MissingBlockHashes));
+        check(
+            r#"{"block_hashes":[1]}"#,
+            Err(PromptError::MissingSequenceHashes),
+        );
+        check(
+            r#"{"block_hashes":[1],"sequence_hashes":[1]}"#,
+            Err(PromptError::MissingIslTokens),
+        );
+        check(
+            r#"{"block_hashes":[1],"sequence_hashes":[1],"isl_tokens":0}"#,
+            Err(PromptError::ZeroIslTokens),
+        );
+        check(
+            r#"{"block_hashes":[1,2],"sequence_hashes":[1],"isl_tokens":32}"#,
+            Err(PromptError::LengthMismatch {
+                block_hashes: 2,
+                sequence_hashes: 1,
+            }),
+        );
+        check(
+            r#"{"block_hashes":[1,2],"sequence_hashes":[1,2],"isl_tokens":1}"#,
+            Ok(()),
+        );
+        // token form wins and ignores the hashes entirely
+        check(r#"{"token_ids":[],"block_hashes":[1]}"#, Ok(()));
+    }
+
+    #[test]
+    fn messages_match_reference() {
+        assert_eq!(
+            PromptError::LengthMismatch {
+                block_hashes: 2,
+                sequence_hashes: 1
+            }
+            .to_string(),
+            "block_hashes length 2 must match sequence_hashes length 1"
+        );
+        assert_eq!(
+            check_effective_prefill(Some(1000), 64)
+                .unwrap_err()
+                .to_string(),
+            "effective_prefill_tokens (1000) must not exceed isl_tokens (64)"
+        );
+        assert!(check_effective_prefill(Some(64), 64).is_ok());
+        assert!(check_effective_prefill(None, 0).is_ok());
+    }
+
+    #[test]
+    fn reservation_form_is_lenient() {
+        let p = prompt(r#"{"sequence_hashes":[21,-22],"isl_tokens":0}"#);
+        let form = p.reservation_form().unwrap();
+        assert_eq!(
+            form,
+            PromptForm::Hashes {
+                block_hashes: None,
+                sequence_hashes: &[21, u64::MAX - 21],
+                isl_tokens: 0
+            }
+        );
+        assert_eq!(
+            prompt(r#"{"isl_tokens":3}"#).reservation_form(),
+            Err(PromptError::MissingSequenceHashes)
+        );
+        assert_eq!(
+            prompt(r#"{"sequence_hashes":[]}"#).reservation_form(),
+            Err(PromptError::MissingIslTokens)
+        );
+    }
+
+    #[test]
+    fn multimodal_routing_tokens_take_precedence_only_when_non_empty() {
+        let p = prompt(
+            r#"{"token_ids":[1,2],"mm_routing_info":{"routing_token_ids":[7,8,9],
+                "block_mm_infos":[{"mm_objects":[{"mm_hash":5,"offsets":[[0,2]]}]},null]}}"#,
+        );
+        let (tokens, infos) = p.routing_tokens().unwrap();
+        assert_eq!(tokens, &[7, 8, 9]);
+        assert_eq!(infos.len(), 2);
+        assert_eq!(
+            infos[0].as_ref().unwrap().mm_objects[0].offsets,
+            vec![[0, 2]]
+        );
+        let p = prompt(r#"{"token_ids":[1,2],"mm_routing_info":{"routing_token_ids":[]}}"#);
+        assert_eq!(p.routing_tokens().unwrap().0, &[1, 2]);
+        assert_eq!(p.selection_form().unwrap().isl(), 2);
+    }
+
+    #[test]
+    fn override_alias_and_ranges() {
+        let o: RouterConfigOverride =
+            serde_json::from_str(r#"{"overlap_score_weight":0,"unknown":1}"#).unwrap();
+        let o = o.resolved();
+        assert_eq!(o.prefill_load_scale, Some(0.0));
+        assert_eq!(o.overlap_score_credit, Some(0.0));
+        assert!(
+            serde_json::from_str::<RouterConfigOverride>(r#"{"router_temperature":-1}"#).is_err()
+        );
+        assert!(
+            serde_json::from_str::<RouterConfigOverride>(r#"{"shared_cache_multiplier":1.5}"#)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn patch_replaces_only_present_fields() {
+        let mut req: WorkerRequest = serde_json::from_str(
+            r#"{"worker_id":2,"endpoint":"http://a","block_size":16,"taints":["x"]}"#,
+        )
+        .unwrap();
+        let patch: WorkerPatch = serde_json::from_str(
+            r#"{"worker_id":99,"endpoint":null,"kv_events_endpoint":"tcp://h:1","taints":[]}"#,
+        )
+        .unwrap();
+        req.apply_patch(patch);
+        assert_eq!(req.worker_id, 2);
+        assert_eq!(req.endpoint.as_deref(), Some("http://a"));
+        assert_eq!(req.kv_events_endpoint.as_deref(), Some("tcp://h:1"));
+        assert!(req.taints.is_empty());
+        assert_eq!(req.block_size, Some(16));
+    }
+}

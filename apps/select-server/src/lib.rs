@@ -1,0 +1,49 @@
+//! HTTP edge of kv-select: the routes of `spec/http-api.md` as a `tower::Service`, the JSON
+//! DTOs of that contract, and the CLI/environment configuration.
+//!
+//! # Responsibility
+//! Everything about HTTP that needs no selection state: routing (404/405 as JSON), path
+//! parameters, body rejections (415 content type, 413 over 8 MiB, 400 syntax including
+//! trailing bytes, 422 shape naming the field), nesting-depth and array-length bounds,
+//! stateless request validation (`decay_fraction`, `router_config_override` ranges), the
+//! `x-dynamo-meta-policy-class` header, optional bearer-token auth, and response rendering
+//! exactly per contract (omitted-when rules, signed hashes, string rank keys, envelopes).
+//!
+//! # Non-goals
+//! No selection logic: every route delegates to a [`Backend`]; [`ServiceBackend`] implements it
+//! over the in-process `service-builder` service.
+//! Prompt rules of §3.3 are *not* applied here although they are stateless: the contract
+//! orders them after readiness (a bad prompt on an unready partition is 503, not 400) and,
+//! for explicit reservations, after discarding the cached selection. The backend applies
+//! them with the pure helpers on [`dto::Prompt`].
+//!
+//! # Invariants
+//! - A rejected body reaches no backend method (nothing changes).
+//! - Only [`config`] reads environment variables, once, at startup.
+//! - Hashes are `u64` everywhere; the signed rendering exists only in [`dto`]'s serde helpers.
+//!
+//! # Design choices
+//! - The backend is a generic trait with `impl Future + Send` methods rather than a boxed
+//!   `dyn` object: one static dispatch per request, no `async-trait` dependency.
+//! - Request bodies with prompt fields deserialize through private wire structs listing those
+//!   fields inline instead of `#[serde(flatten)]`, which would buffer a 500k-token array into
+//!   an intermediate tree and lose the field path in error messages.
+//! - Depth and array length are checked by one linear pre-scan of the buffered bytes, before
+//!   serde allocates anything (defaults: depth 32, 2,097,152 elements per array — above the
+//!   4.2 M-token 8 MiB worst case only for bodies of single-digit token ids).
+
+pub mod backend;
+mod body;
+pub mod config;
+pub mod dto;
+mod recovery;
+mod routes;
+mod server;
+mod service_backend;
+
+pub use backend::{ApiError, ApiResult, Backend, ErrorBody, QueueLimitKind};
+pub use body::BodyLimits;
+pub use recovery::recover_from_peers;
+pub use routes::{EdgeOptions, HttpResponse, POLICY_CLASS_HEADER, Routes, error_response, router};
+pub use server::{WorkersFileError, read_workers_file, serve};
+pub use service_backend::{ServiceBackend, build_service};

@@ -1,0 +1,114 @@
+//! `select-server`: parse configuration, install tracing, build the backend, bind, serve.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use select_server::config::ServerConfig;
+use select_server::{
+    Backend, EdgeOptions, build_service, read_workers_file, recover_from_peers, router, serve,
+};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cfg = ServerConfig::from_process();
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    for warning in &cfg.warnings {
+        tracing::warn!("{warning}");
+    }
+    match run(cfg) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cfg: ServerConfig) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("failed to start the async runtime")?;
+    runtime.block_on(async_main(cfg))
+}
+
+async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
+    let auth_token = match &cfg.auth_token_file {
+        Some(path) => {
+            let raw = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read auth token file {}", path.display()))?;
+            let token = raw.trim().to_owned();
+            anyhow::ensure!(
+                !token.is_empty(),
+                "auth token file {} is empty",
+                path.display()
+            );
+            Some(token)
+        }
+        None => None,
+    };
+    let initial_workers = match &cfg.workers_file {
+        Some(path) => read_workers_file(path)?,
+        None => Vec::new(),
+    };
+
+    let backend = Arc::new(build_service(&cfg)?);
+    // Before any worker (hence any KV listener) exists: recovered state first, live
+    // events on top.
+    recover_from_peers(
+        backend.service().core(),
+        &cfg.indexer_peers,
+        std::time::Duration::from_secs(1),
+    )
+    .await;
+    for worker in initial_workers {
+        let id = worker.worker_id;
+        let record = backend
+            .upsert_worker(worker)
+            .await
+            .map_err(|e| anyhow::anyhow!("registering worker {id} from --workers-file: {e}"))?;
+        tracing::info!(worker_id = id, lifecycle = ?record.lifecycle, "registered worker from file");
+    }
+
+    let addr = SocketAddr::new(cfg.host, cfg.port);
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "kv-select listening");
+    let routes = router(
+        Arc::clone(&backend),
+        EdgeOptions {
+            auth_token,
+            ..EdgeOptions::default()
+        },
+    );
+    serve(listener, routes, shutdown_signal()).await?;
+    backend.service().shutdown().await;
+    tracing::info!("shut down");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

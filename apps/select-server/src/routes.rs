@@ -1,0 +1,492 @@
+//! The route table as a `tower::Service`.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Body;
+use serde::Serialize;
+
+use crate::backend::{ApiError, Backend};
+use crate::body::{BodyLimits, parse_json, read_json_body};
+use crate::dto::{
+    OutputBlockRequest, PeerRegistration, PeerRequest, PromptQueryRequest, ReservationRequest,
+    SelectAndReserveRequest, SelectRequest, StatusOk, WireSelection, WorkerPatch, WorkerQuery,
+    WorkerRequest,
+};
+
+/// Header naming the router policy class (§1.6).
+pub const POLICY_CLASS_HEADER: &str = "x-dynamo-meta-policy-class";
+
+/// Edge settings that are not part of the backend.
+#[derive(Clone, Default)]
+pub struct EdgeOptions {
+    pub limits: BodyLimits,
+    /// When set, every route except `/health` requires `Authorization: Bearer <token>`.
+    pub auth_token: Option<String>,
+}
+
+impl std::fmt::Debug for EdgeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token is a secret: say only whether one is configured.
+        f.debug_struct("EdgeOptions")
+            .field("limits", &self.limits)
+            .field(
+                "auth_token",
+                &self.auth_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+/// The HTTP routes over a backend. Cheap to clone (two `Arc`s).
+pub struct Routes<B> {
+    backend: Arc<B>,
+    options: Arc<EdgeOptions>,
+}
+
+impl<B> Clone for Routes<B> {
+    fn clone(&self) -> Self {
+        Self {
+            backend: Arc::clone(&self.backend),
+            options: Arc::clone(&self.options),
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for Routes<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Routes")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds the routes of `http-api.md` §10 over `backend`.
+pub fn router<B: Backend>(backend: Arc<B>, options: EdgeOptions) -> Routes<B> {
+    Routes {
+        backend,
+        options: Arc::new(options),
+    }
+}
+
+/// Response type of [`Routes`].
+pub type HttpResponse = Response<Full<Bytes>>;
+
+impl<B, ReqBody> tower::Service<Request<ReqBody>> for Routes<B>
+where
+    B: Backend,
+    ReqBody: Body + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Response = HttpResponse;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<HttpResponse, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let method = req.method().clone();
+            let path = req.uri().path().to_owned();
+            let response = match this.handle(req).await {
+                Ok(r) => r,
+                Err(e) => error_response(&e),
+            };
+            tracing::debug!(%method, %path, status = response.status().as_u16(), "request");
+            Ok(response)
+        })
+    }
+}
+
+/// Known paths; parameters are raw (still percent-encoded) segments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route<'a> {
+    Workers,
+    Worker(&'a str),
+    Select,
+    SelectAndReserve,
+    Reservations,
+    Reservation(&'a str),
+    PrefillComplete(&'a str),
+    OutputBlock(&'a str),
+    Health,
+    Metrics,
+    Ready,
+    Loads,
+    PotentialLoads,
+    OverlapScores,
+    Dump,
+    RegisterPeer,
+    DeregisterPeer,
+    Peers,
+}
+
+fn match_path(path: &str) -> Option<Route<'_>> {
+    let rest = path.strip_prefix('/')?;
+    let mut segs = rest.split('/');
+    let first = segs.next()?;
+    let second = segs.next();
+    let third = segs.next();
+    if segs.next().is_some() {
+        return None;
+    }
+    let param = |s: &str| !s.is_empty();
+    Some(match (first, second, third) {
+        ("workers", None, None) => Route::Workers,
+        ("workers", Some(id), None) if param(id) => Route::Worker(id),
+        ("select", None, None) => Route::Select,
+        ("select_and_reserve", None, None) => Route::SelectAndReserve,
+        ("reservations", None, None) => Route::Reservations,
+        ("reservations", Some(id), None) if param(id) => Route::Reservation(id),
+        ("reservations", Some(id), Some("prefill_complete")) if param(id) => {
+            Route::PrefillComplete(id)
+        }
+        ("reservations", Some(id), Some("output_block")) if param(id) => Route::OutputBlock(id),
+        ("health", None, None) => Route::Health,
+        ("metrics", None, None) => Route::Metrics,
+        ("ready", None, None) => Route::Ready,
+        ("loads", None, None) => Route::Loads,
+        ("potential_loads", None, None) => Route::PotentialLoads,
+        ("overlap_scores", None, None) => Route::OverlapScores,
+        ("dump", None, None) => Route::Dump,
+        ("replica_sync", Some("register_peer"), None) => Route::RegisterPeer,
+        ("replica_sync", Some("deregister_peer"), None) => Route::DeregisterPeer,
+        ("replica_sync", Some("peers"), None) => Route::Peers,
+        _ => return None,
+    })
+}
+
+impl<B: Backend> Routes<B> {
+    async fn handle<ReqBody>(&self, req: Request<ReqBody>) -> Result<HttpResponse, ApiError>
+    where
+        ReqBody: Body + Send + 'static,
+        ReqBody::Data: Send,
+        ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let (parts, body) = req.into_parts();
+        let path = parts.uri.path();
+        if path != "/health" {
+            self.authorize(&parts.headers)?;
+        }
+        let route = match_path(path).ok_or_else(|| ApiError::not_found("route not found"))?;
+        // HEAD is served like GET (hyper drops the body).
+        let method = if parts.method == Method::HEAD {
+            Method::GET
+        } else {
+            parts.method.clone()
+        };
+        let query = parts.uri.query().unwrap_or("");
+        let limits = &self.options.limits;
+        let be = &*self.backend;
+        let headers = &parts.headers;
+
+        macro_rules! json_body {
+            ($ty:ty) => {{
+                let bytes = read_json_body(headers, body, limits).await?;
+                parse_json::<$ty>(&bytes, limits)?
+            }};
+        }
+
+        match (route, method) {
+            (Route::Health, Method::GET) => json(StatusCode::OK, &StatusOk::OK),
+            (Route::Metrics, Method::GET) => Ok(metrics_response(be.metrics_text())),
+            (Route::Workers, Method::POST) => {
+                let req = json_body!(WorkerRequest);
+                json(StatusCode::CREATED, &be.upsert_worker(req).await?)
+            }
+            (Route::Workers, Method::GET) => {
+                let q = worker_query(query);
+                json(StatusCode::OK, &be.list_workers(q).await?)
+            }
+            (Route::Worker(raw), Method::PATCH) => {
+                let id = parse_worker_id(raw)?;
+                let patch = json_body!(WorkerPatch);
+                json(StatusCode::OK, &be.patch_worker(id, patch).await?)
+            }
+            (Route::Worker(raw), Method::DELETE) => {
+                let id = parse_worker_id(raw)?;
+                json(StatusCode::OK, &be.delete_worker(id).await?)
+            }
+            (Route::Select, Method::POST) => {
+                let policy_class = policy_class(headers);
+                let wire = json_body!(WireSelection);
+                let (prompt, options, advisory) = wire.split(policy_class);
+                let req = SelectRequest {
+                    prompt,
+                    options,
+                    advisory,
+                };
+                json(StatusCode::OK, &be.select(req).await?)
+            }
+            (Route::SelectAndReserve, Method::POST) => {
+                let policy_class = policy_class(headers);
+                let wire = json_body!(WireSelection);
+                let (prompt, options, _advisory) = wire.split(policy_class);
+                let req = SelectAndReserveRequest { prompt, options };
+                json(StatusCode::OK, &be.select_and_reserve(req).await?)
+            }
+            (Route::Reservations, Method::POST) => {
+                let req: ReservationRequest = json_body!(crate::dto::WireReservation).into();
+                json(StatusCode::CREATED, &be.create_reservation(req).await?)
+            }
+            (Route::PrefillComplete(raw), Method::POST) => {
+                let id = decode_param(raw)?;
+                be.prefill_complete(id).await?;
+                json(StatusCode::OK, &StatusOk::OK)
+            }
+            (Route::OutputBlock(raw), Method::POST) => {
+                let id = decode_param(raw)?;
+                let req = json_body!(OutputBlockRequest);
+                if let Some(f) = req.decay_fraction
+                    && !(0.0..=1.0).contains(&f)
+                {
+                    return Err(ApiError::bad_request(
+                        "decay_fraction must be between 0.0 and 1.0",
+                    ));
+                }
+                be.output_block(id, req).await?;
+                json(StatusCode::OK, &StatusOk::OK)
+            }
+            (Route::Reservation(raw), Method::DELETE) => {
+                let id = decode_param(raw)?;
+                be.free_reservation(id).await?;
+                json(StatusCode::OK, &StatusOk::OK)
+            }
+            (Route::Ready, Method::GET) => {
+                let ready = be.ready().await;
+                let status = if ready.ready {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                json(status, &ready)
+            }
+            (Route::Loads, Method::GET) => {
+                let q = worker_query(query);
+                json(StatusCode::OK, &be.loads(q).await?)
+            }
+            (Route::PotentialLoads, Method::POST) => {
+                let req: PromptQueryRequest = json_body!(crate::dto::WirePromptQuery).into();
+                json(StatusCode::OK, &be.potential_loads(req).await?)
+            }
+            (Route::OverlapScores, Method::POST) => {
+                let req: PromptQueryRequest = json_body!(crate::dto::WirePromptQuery).into();
+                json(StatusCode::OK, &be.overlap_scores(req).await?)
+            }
+            (Route::Dump, Method::GET) => {
+                let raw = be.dump().await?;
+                Ok(with_content_type(
+                    StatusCode::OK,
+                    raw.0,
+                    HeaderValue::from_static("application/json"),
+                ))
+            }
+            (Route::RegisterPeer, Method::POST) => {
+                let req = json_body!(PeerRequest);
+                let status = match be.register_peer(req).await? {
+                    PeerRegistration::Created => StatusCode::CREATED,
+                    PeerRegistration::AlreadyRegistered => StatusCode::OK,
+                };
+                json(status, &StatusOk::OK)
+            }
+            (Route::DeregisterPeer, Method::POST) => {
+                let req = json_body!(PeerRequest);
+                be.deregister_peer(req).await?;
+                json(StatusCode::OK, &StatusOk::OK)
+            }
+            (Route::Peers, Method::GET) => json(StatusCode::OK, &be.replica_peers().await?),
+            _ => Err(ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed",
+            )),
+        }
+    }
+
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(expected) = self.options.auth_token.as_deref() else {
+            return Ok(());
+        };
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, token) = v.trim().split_once(' ')?;
+                scheme
+                    .eq_ignore_ascii_case("bearer")
+                    .then_some(token.trim())
+            });
+        match presented {
+            Some(token) if constant_time_eq(token.as_bytes(), expected.as_bytes()) => Ok(()),
+            _ => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or invalid bearer token",
+            )),
+        }
+    }
+}
+
+/// Compares without an early exit on the first differing byte, so response timing does not
+/// reveal how much of a guessed token was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn policy_class(headers: &HeaderMap) -> Option<String> {
+    let raw = headers.get(POLICY_CLASS_HEADER)?;
+    let s = std::str::from_utf8(raw.as_bytes()).ok()?.trim();
+    (!s.is_empty()).then(|| s.to_owned())
+}
+
+fn parse_worker_id(raw: &str) -> Result<u64, ApiError> {
+    let decoded = decode_param(raw)?;
+    decoded.parse::<u64>().map_err(|_| {
+        ApiError::bad_request(format!("Invalid URL: Cannot parse `{decoded}` to a `u64`"))
+    })
+}
+
+fn decode_param(raw: &str) -> Result<String, ApiError> {
+    String::from_utf8(percent_decode(raw.as_bytes(), false))
+        .map_err(|_| ApiError::bad_request("Invalid URL: path parameter is not valid UTF-8"))
+}
+
+/// Percent-decoding; invalid escapes are kept literally. `plus_as_space` for query strings.
+fn percent_decode(input: &[u8], plus_as_space: bool) -> Vec<u8> {
+    fn hex(b: u8) -> Option<u8> {
+        match b {
+            b'0'..=b'9' => Some(b - b'0'),
+            b'a'..=b'f' => Some(b - b'a' + 10),
+            b'A'..=b'F' => Some(b - b'A' + 10),
+            _ => None,
+        }
+    }
+    let mut out = Vec::with_capacity(input.len());
+    let mut i = 0;
+    while i < input.len() {
+        match input[i] {
+            b'%' if i + 2 < input.len() => match (hex(input[i + 1]), hex(input[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push(h << 4 | l);
+                    i += 3;
+                    continue;
+                }
+                _ => out.push(b'%'),
+            },
+            b'+' if plus_as_space => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    out
+}
+
+/// `model_name` / `routing_group` filters; other keys are ignored, the last duplicate wins.
+fn worker_query(query: &str) -> WorkerQuery {
+    let mut q = WorkerQuery::default();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let k = String::from_utf8_lossy(&percent_decode(k.as_bytes(), true)).into_owned();
+        let v = String::from_utf8_lossy(&percent_decode(v.as_bytes(), true)).into_owned();
+        match k.as_str() {
+            "model_name" => q.model_name = Some(v),
+            "routing_group" => q.routing_group = Some(v),
+            _ => {}
+        }
+    }
+    q
+}
+
+fn with_content_type(status: StatusCode, body: Bytes, ct: HeaderValue) -> HttpResponse {
+    let mut resp = Response::new(Full::new(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+    resp
+}
+
+fn json<T: Serialize + ?Sized>(status: StatusCode, value: &T) -> Result<HttpResponse, ApiError> {
+    let body = serde_json::to_vec(value)
+        .map_err(|e| ApiError::internal(format!("failed to serialize response: {e}")))?;
+    Ok(with_content_type(
+        status,
+        Bytes::from(body),
+        HeaderValue::from_static("application/json"),
+    ))
+}
+
+fn metrics_response(text: String) -> HttpResponse {
+    with_content_type(
+        StatusCode::OK,
+        Bytes::from(text),
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    )
+}
+
+/// Renders an [`ApiError`] as the contract's envelope.
+pub fn error_response(e: &ApiError) -> HttpResponse {
+    let body = serde_json::to_vec(&e.body()).unwrap_or_else(|_| b"{\"error\":\"\"}".to_vec());
+    let mut resp = with_content_type(
+        e.status,
+        Bytes::from(body),
+        HeaderValue::from_static("application/json"),
+    );
+    if e.status == StatusCode::UNAUTHORIZED {
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths() {
+        assert_eq!(match_path("/select"), Some(Route::Select));
+        assert_eq!(match_path("/select/"), None);
+        assert_eq!(match_path("/workers/7"), Some(Route::Worker("7")));
+        assert_eq!(match_path("/workers/"), None);
+        assert_eq!(
+            match_path("/reservations/a%2Fb/output_block"),
+            Some(Route::OutputBlock("a%2Fb"))
+        );
+        assert_eq!(match_path("/reservations/x/other"), None);
+        assert_eq!(match_path("/replica_sync/peers"), Some(Route::Peers));
+        assert_eq!(match_path("/replica_sync"), None);
+        assert_eq!(match_path(""), None);
+    }
+
+    #[test]
+    fn decoding() {
+        assert_eq!(percent_decode(b"a%2Fb%zz%4", false), b"a/b%zz%4");
+        assert_eq!(percent_decode(b"a+b%20c", true), b"a b c");
+        assert_eq!(percent_decode(b"a+b", false), b"a+b");
+        let q = worker_query("model_name=llama%203&x=1&routing_group=g&routing_group=h");
+        assert_eq!(q.model_name.as_deref(), Some("llama 3"));
+        assert_eq!(q.routing_group.as_deref(), Some("h"));
+        assert_eq!(
+            parse_worker_id("abc").unwrap_err().message,
+            "Invalid URL: Cannot parse `abc` to a `u64`"
+        );
+        assert_eq!(parse_worker_id("%31%32").unwrap(), 12);
+    }
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

@@ -1,0 +1,79 @@
+//! Serving [`Routes`] over TCP, and startup helpers.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use crate::backend::Backend;
+use crate::dto::WorkerRequest;
+use crate::routes::Routes;
+
+/// Accepts HTTP/1.1 connections on `listener` until `shutdown` resolves. Connections already
+/// accepted finish on their own tasks.
+pub async fn serve<B: Backend>(
+    listener: TcpListener,
+    routes: Routes<B>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Per-connection failures (e.g. EMFILE, aborted handshakes) must not stop
+                    // the server.
+                    tracing::warn!(error = %e, "accept failed");
+                    continue;
+                }
+            },
+        };
+        let routes = routes.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let mut routes = routes.clone();
+            tower::Service::call(&mut routes, req)
+        });
+        tokio::spawn(async move {
+            if let Err(e) = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}
+
+/// Why `--workers-file` could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkersFileError {
+    #[error("cannot read workers file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("workers file {} is not a JSON array of worker records: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Reads `--workers-file`: a JSON array of `POST /workers` bodies.
+pub fn read_workers_file(path: &Path) -> Result<Vec<WorkerRequest>, WorkersFileError> {
+    let bytes = std::fs::read(path).map_err(|source| WorkersFileError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|source| WorkersFileError::Parse {
+        path: path.to_owned(),
+        source,
+    })
+}

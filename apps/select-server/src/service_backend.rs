@@ -1,0 +1,771 @@
+//! [`Backend`] over the in-process [`SelectionService`]: DTO <-> service-type conversions
+//! and the error mapping. Operations that may block (catalog changes join listener
+//! threads; a booking may wait behind a concurrent session initialization) run on the
+//! blocking pool so the async workers never stall.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use http::StatusCode;
+use selection_policy::{AffinityTarget as PolicyAffinity, SessionContext as PolicySession};
+use service_builder::{
+    Lifecycle as SvcLifecycle, PartitionKey, PromptInput, PromptQuery, SelectionCore,
+    SelectionError, SelectionService, WorkerCatalogRecord,
+};
+
+use crate::backend::{ApiError, ApiResult, Backend};
+use crate::dto::{
+    self, LoadsQuery, OutputBlockRequest, OverlapScoresResponse, PartitionLoads, PeerRegistration,
+    PeerRequest, PromptQueryRequest, RankLoad, RankOverlapScores, RawJson, ReadyResponse,
+    ReservationRequest, ReservationResponse, SelectAndReserveRequest, SelectRequest,
+    SelectionResponse, SharedCacheScores, WorkerPatch, WorkerQuery, WorkerRecord, WorkerRequest,
+};
+
+/// The HTTP edge's view of a running [`SelectionService`].
+#[derive(Debug)]
+pub struct ServiceBackend {
+    service: Arc<SelectionService>,
+}
+
+impl ServiceBackend {
+    pub fn new(service: Arc<SelectionService>) -> Self {
+        Self { service }
+    }
+
+    pub fn service(&self) -> &Arc<SelectionService> {
+        &self.service
+    }
+
+    fn core(&self) -> Arc<SelectionCore> {
+        Arc::clone(self.service.core())
+    }
+
+    /// Runs a core operation on the blocking pool.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&SelectionCore) -> Result<T, SelectionError> + Send + 'static,
+    ) -> ApiResult<T> {
+        let core = self.core();
+        match tokio::task::spawn_blocking(move || f(&core)).await {
+            Ok(r) => r.map_err(api_error),
+            Err(e) => Err(ApiError::internal(format!("service task failed: {e}"))),
+        }
+    }
+}
+
+fn api_error(e: SelectionError) -> ApiError {
+    let status = StatusCode::from_u16(e.status_code()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut err = ApiError::new(status, e.message());
+    if let Some(d) = e.details() {
+        err = err.with_details(serde_json::json!({
+            "policy_class": d.policy_class,
+            "limit_kind": d.limit_kind,
+            "current": d.current,
+            "limit": d.limit,
+        }));
+    }
+    err
+}
+
+fn peer_error(e: &replica_sync::PeerError) -> ApiError {
+    use replica_sync::PeerError as P;
+    let status = match e {
+        P::NotFound { .. } => StatusCode::NOT_FOUND,
+        P::Disabled => StatusCode::CONFLICT,
+        P::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    ApiError::new(status, e.to_string())
+}
+
+fn worker_request(r: WorkerRequest) -> service_builder::WorkerRequest {
+    service_builder::WorkerRequest {
+        worker_id: r.worker_id,
+        model_name: r.model_name,
+        routing_group: r.routing_group,
+        endpoint: r.endpoint,
+        kv_events_endpoint: r.kv_events_endpoint,
+        kv_events_endpoints: r.kv_events_endpoints,
+        replay_endpoint: r.replay_endpoint,
+        block_size: r.block_size,
+        data_parallel_start_rank: r.data_parallel_start_rank,
+        data_parallel_size: r.data_parallel_size,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+        total_kv_blocks: r.total_kv_blocks,
+        stable_routing_id: r.stable_routing_id,
+        is_eagle: r.is_eagle,
+        taints: r.taints.into_iter().collect(),
+        topology_domains: r.topology_domains,
+        kv_transfer_domain: r.kv_transfer_domain,
+        kv_transfer_enforcement: r.kv_transfer_enforcement.map(enforcement_str),
+        kv_transfer_preferred_weight: r.kv_transfer_preferred_weight,
+        router_hint_worker_type: r.router_hint_worker_type,
+        router_hint_source_control_endpoints: r.router_hint_source_control_endpoints,
+        kv_event_source_mode: r.kv_event_source_mode,
+    }
+}
+
+fn enforcement_str(e: dto::KvTransferEnforcement) -> String {
+    match e {
+        dto::KvTransferEnforcement::Required => "required".into(),
+        dto::KvTransferEnforcement::Preferred => "preferred".into(),
+    }
+}
+
+fn enforcement_dto(s: &str) -> Option<dto::KvTransferEnforcement> {
+    match s {
+        "required" => Some(dto::KvTransferEnforcement::Required),
+        "preferred" => Some(dto::KvTransferEnforcement::Preferred),
+        _ => None,
+    }
+}
+
+fn worker_patch(p: WorkerPatch) -> service_builder::WorkerPatch {
+    service_builder::WorkerPatch {
+        endpoint: p.endpoint,
+        kv_events_endpoint: p.kv_events_endpoint,
+        kv_events_endpoints: p.kv_events_endpoints,
+        replay_endpoint: p.replay_endpoint,
+        block_size: p.block_size,
+        data_parallel_start_rank: p.data_parallel_start_rank,
+        data_parallel_size: p.data_parallel_size,
+        max_num_batched_tokens: p.max_num_batched_tokens,
+        total_kv_blocks: p.total_kv_blocks,
+        stable_routing_id: p.stable_routing_id,
+        is_eagle: p.is_eagle,
+        taints: p.taints.map(|t| t.into_iter().collect()),
+        topology_domains: p.topology_domains,
+        kv_transfer_domain: p.kv_transfer_domain,
+        kv_transfer_enforcement: p.kv_transfer_enforcement.map(enforcement_str),
+        kv_transfer_preferred_weight: p.kv_transfer_preferred_weight,
+        router_hint_worker_type: p.router_hint_worker_type,
+        router_hint_source_control_endpoints: p.router_hint_source_control_endpoints,
+        kv_event_source_mode: p.kv_event_source_mode,
+    }
+}
+
+pub(crate) fn worker_record(r: WorkerCatalogRecord) -> WorkerRecord {
+    let w = r.worker;
+    WorkerRecord {
+        worker_id: w.worker_id,
+        model_name: w.model_name,
+        routing_group: w.routing_group,
+        lifecycle: match r.lifecycle {
+            SvcLifecycle::Schedulable => dto::Lifecycle::Schedulable,
+            SvcLifecycle::Incomplete => dto::Lifecycle::Incomplete,
+            SvcLifecycle::Draining => dto::Lifecycle::Draining,
+            SvcLifecycle::Unschedulable => dto::Lifecycle::Unschedulable,
+        },
+        endpoint: w.endpoint,
+        kv_events_endpoint: w.kv_events_endpoint,
+        kv_events_endpoints: w.kv_events_endpoints,
+        replay_endpoint: w.replay_endpoint,
+        block_size: w.block_size,
+        data_parallel_start_rank: w.data_parallel_start_rank,
+        data_parallel_size: w.data_parallel_size,
+        max_num_batched_tokens: w.max_num_batched_tokens,
+        total_kv_blocks: w.total_kv_blocks,
+        stable_routing_id: w.stable_routing_id,
+        is_eagle: w.is_eagle,
+        taints: w.taints.into_iter().collect(),
+        topology_domains: w.topology_domains,
+        kv_transfer_domain: w.kv_transfer_domain,
+        kv_transfer_enforcement: w
+            .kv_transfer_enforcement
+            .as_deref()
+            .and_then(enforcement_dto),
+        kv_transfer_preferred_weight: w.kv_transfer_preferred_weight,
+        router_hint_worker_type: w.router_hint_worker_type,
+        router_hint_source_control_endpoints: w.router_hint_source_control_endpoints,
+        kv_event_source_mode: w.kv_event_source_mode,
+        not_schedulable_reasons: r.not_schedulable_reasons,
+    }
+}
+
+fn prompt(p: dto::Prompt) -> PromptInput {
+    PromptInput {
+        token_ids: p.token_ids,
+        mm_routing_info: p.mm_routing_info.map(|m| service_builder::MmRoutingInfo {
+            routing_token_ids: m.routing_token_ids,
+            block_mm_infos: m.block_mm_infos,
+        }),
+        block_mm_infos: p.block_mm_infos.unwrap_or_default(),
+        block_hashes: p.block_hashes,
+        sequence_hashes: p.sequence_hashes,
+        isl_tokens: p.isl_tokens,
+        lora_name: p.lora_name,
+        cache_salt: p.cache_salt,
+        is_eagle: p.is_eagle,
+    }
+}
+
+fn config_override(
+    o: Option<dto::RouterConfigOverride>,
+) -> ApiResult<selection_policy::RouterConfigOverride> {
+    let Some(o) = o else {
+        return Ok(Default::default());
+    };
+    selection_policy::RouterConfigOverride {
+        overlap_score_credit: o.overlap_score_credit,
+        prefill_load_scale: o.prefill_load_scale,
+        router_temperature: o.router_temperature,
+        assume_kv_reuse: o.assume_kv_reuse,
+        track_prefill_tokens: o.track_prefill_tokens,
+        shared_cache_multiplier: o.shared_cache_multiplier,
+        overlap_score_weight: o.overlap_score_weight,
+    }
+    .validate()
+    .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))
+}
+
+fn select_request(
+    p: dto::Prompt,
+    o: dto::SelectionOptions,
+    advisory: bool,
+) -> ApiResult<service_builder::SelectRequest> {
+    let session_context = o.session_context.map(|c| {
+        let headers = c
+            .agent_headers
+            .unwrap_or_default()
+            .into_iter()
+            .flat_map(|(k, vs)| vs.into_iter().map(move |v| (k.clone(), v)))
+            .collect();
+        PolicySession::new(c.session_id, headers)
+    });
+    Ok(service_builder::SelectRequest {
+        partition: PartitionKey::new(o.model_name, o.routing_group),
+        selection_id: o.selection_id,
+        prompt: prompt(p),
+        router_config_override: config_override(o.router_config_override)?,
+        expected_output_tokens: o.expected_output_tokens,
+        priority_jump: o.priority_jump,
+        strict_priority: o.strict_priority,
+        session_id: o.session_id,
+        session_context,
+        affinity_target: o.affinity_target.map(|a| PolicyAffinity {
+            worker_id: kv_types::WorkerId(a.worker_id),
+            dp_rank: a.dp_rank.map(kv_types::DpRank),
+        }),
+        pinned_worker: o
+            .pinned_worker
+            .map(|p| kv_types::WorkerKey::new(p.worker_id, p.dp_rank)),
+        allowed_worker_ids: o.allowed_worker_ids.map(|s| s.into_iter().collect()),
+        required_taints: o.routing_constraints.required_taints.into_iter().collect(),
+        preferred_taints: o.routing_constraints.preferred_taints,
+        advisory,
+        policy_class: o.policy_class,
+    })
+}
+
+fn selection_response(r: service_builder::SelectResponse) -> SelectionResponse {
+    SelectionResponse {
+        selection_id: r.selection_id,
+        sequence_hashes: r
+            .sequence_hashes
+            .map(|v| v.into_iter().map(|h| h.0).collect()),
+        isl_tokens: r.isl_tokens,
+        track_prefill_tokens: r.track_prefill_tokens,
+        model_name: r.model_name,
+        routing_group: r.routing_group,
+        worker_id: r.worker_id,
+        dp_rank: r.dp_rank,
+        endpoint: r.endpoint,
+        block_size: r.block_size,
+        overlap: dto::Overlap {
+            longest_matched: r.overlap.longest_matched,
+            gpu: r.overlap.gpu,
+            dp: r.overlap.dp,
+            cpu: r.overlap.cpu,
+            disk: r.overlap.disk,
+        },
+        effective_prefill_tokens: r.effective_prefill_tokens,
+        potential_decode_blocks: r.potential_decode_blocks,
+        decode_busy: r.decode_busy,
+        worker_load: r.worker_load.map(|l| dto::WorkerLoad {
+            active_prefill_tokens: l.active_prefill_tokens,
+            prefill_token_capacity: l.prefill_token_capacity,
+            total_kv_blocks: l.total_kv_blocks,
+            prefill_busy: l.prefill_busy,
+        }),
+        kv_hint: r.kv_hint.map(|h| dto::KvHint {
+            protocol_version: "0.1".into(),
+            message_id: h.message_id,
+            actions: vec![dto::KvHintAction {
+                action_id: "a1".into(),
+                action_type: "kv.fetch".into(),
+                action_version: "1.0".into(),
+                payload: dto::KvFetchPayload {
+                    source_control_endpoint: h.source_control_endpoint,
+                    block_hashes: h.block_hashes,
+                },
+            }],
+        }),
+    }
+}
+
+fn prompt_query(r: PromptQueryRequest) -> ApiResult<PromptQuery> {
+    Ok(PromptQuery {
+        partition: PartitionKey::new(r.model_name, r.routing_group),
+        prompt: prompt(r.prompt),
+        router_config_override: config_override(r.router_config_override)?,
+    })
+}
+
+fn rank_load(l: service_builder::LoadRow) -> RankLoad {
+    RankLoad {
+        worker_id: l.worker_id,
+        dp_rank: l.dp_rank,
+        potential_prefill_tokens: l.potential_prefill_tokens,
+        potential_decode_blocks: l.potential_decode_blocks,
+        active_requests: l.active_requests,
+    }
+}
+
+impl Backend for ServiceBackend {
+    async fn upsert_worker(&self, req: WorkerRequest) -> ApiResult<WorkerRecord> {
+        let r = worker_request(req);
+        self.blocking(move |c| c.upsert_worker(r))
+            .await
+            .map(worker_record)
+    }
+
+    async fn list_workers(&self, query: WorkerQuery) -> ApiResult<Vec<WorkerRecord>> {
+        let records = self
+            .core()
+            .list_workers(query.model_name.as_deref(), query.routing_group.as_deref());
+        Ok(records.into_iter().map(worker_record).collect())
+    }
+
+    async fn patch_worker(&self, worker_id: u64, patch: WorkerPatch) -> ApiResult<WorkerRecord> {
+        let p = worker_patch(patch);
+        self.blocking(move |c| c.patch_worker(worker_id, p))
+            .await
+            .map(worker_record)
+    }
+
+    async fn delete_worker(&self, worker_id: u64) -> ApiResult<WorkerRecord> {
+        self.blocking(move |c| c.delete_worker(worker_id))
+            .await
+            .map(worker_record)
+    }
+
+    async fn select(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
+        let r = select_request(req.prompt, req.options, req.advisory)?;
+        self.blocking(move |c| c.select(r))
+            .await
+            .map(selection_response)
+    }
+
+    async fn select_and_reserve(
+        &self,
+        req: SelectAndReserveRequest,
+    ) -> ApiResult<SelectionResponse> {
+        let r = select_request(req.prompt, req.options, false)?;
+        self.blocking(move |c| c.select_and_reserve(r))
+            .await
+            .map(selection_response)
+    }
+
+    async fn create_reservation(&self, req: ReservationRequest) -> ApiResult<ReservationResponse> {
+        let r = service_builder::ReservationRequest {
+            partition: PartitionKey::new(req.model_name, req.routing_group),
+            selection_id: req.selection_id,
+            worker_id: req.worker_id,
+            dp_rank: req.dp_rank,
+            prompt: prompt(req.prompt),
+            router_config_override: config_override(req.router_config_override)?,
+            expected_output_tokens: req.expected_output_tokens,
+            effective_prefill_tokens: req.effective_prefill_tokens,
+            track_prefill_tokens: req.track_prefill_tokens,
+        };
+        let out = self.blocking(move |c| c.create_reservation(r)).await?;
+        Ok(ReservationResponse {
+            selection_id: out.selection_id,
+            model_name: out.model_name,
+            routing_group: out.routing_group,
+            worker_id: out.worker_id,
+            dp_rank: out.dp_rank,
+            endpoint: out.endpoint,
+        })
+    }
+
+    async fn prefill_complete(&self, selection_id: String) -> ApiResult<()> {
+        self.core()
+            .prefill_complete(&selection_id)
+            .map_err(api_error)
+    }
+
+    async fn output_block(&self, selection_id: String, req: OutputBlockRequest) -> ApiResult<()> {
+        self.core()
+            .add_output_block(&selection_id, req.decay_fraction)
+            .map_err(api_error)
+    }
+
+    async fn free_reservation(&self, selection_id: String) -> ApiResult<()> {
+        self.core()
+            .free_reservation(&selection_id)
+            .map_err(api_error)
+    }
+
+    async fn ready(&self) -> ReadyResponse {
+        let r = self.core().ready();
+        ReadyResponse {
+            ready: r.ready,
+            schedulable_workers: r.schedulable_workers as u64,
+            workers: r.workers.into_iter().map(worker_record).collect(),
+        }
+    }
+
+    async fn loads(&self, query: LoadsQuery) -> ApiResult<Vec<PartitionLoads>> {
+        let loads = self
+            .core()
+            .loads(query.model_name.as_deref(), query.routing_group.as_deref());
+        Ok(loads
+            .into_iter()
+            .map(|p| PartitionLoads {
+                model_name: p.model_name,
+                routing_group: p.routing_group,
+                loads: p.loads.into_iter().map(rank_load).collect(),
+                pending_count: p.pending_count,
+                pending_isl_tokens: p.pending_isl_tokens,
+            })
+            .collect())
+    }
+
+    async fn potential_loads(&self, req: PromptQueryRequest) -> ApiResult<Vec<RankLoad>> {
+        let q = prompt_query(req)?;
+        let rows = self.core().potential_loads(&q).map_err(api_error)?;
+        Ok(rows.into_iter().map(rank_load).collect())
+    }
+
+    async fn overlap_scores(&self, req: PromptQueryRequest) -> ApiResult<OverlapScoresResponse> {
+        let q = prompt_query(req)?;
+        let r = self.core().overlap_scores(&q).map_err(api_error)?;
+        Ok(OverlapScoresResponse {
+            block_size: r.block_size,
+            num_blocks: r.num_blocks as u64,
+            workers: r
+                .workers
+                .into_iter()
+                .map(|w| RankOverlapScores {
+                    worker_id: w.worker_id,
+                    dp_rank: w.dp_rank,
+                    device_blocks: u64::from(w.device_blocks),
+                    host_pinned_blocks: u64::from(w.host_pinned_blocks),
+                    disk_blocks: u64::from(w.disk_blocks),
+                    host_pinned_extension_blocks: u64::from(w.host_pinned_extension_blocks),
+                    disk_extension_blocks: u64::from(w.disk_extension_blocks),
+                    shared_beyond_device_blocks: None,
+                })
+                .collect(),
+            shared_cache: SharedCacheScores::disabled(),
+        })
+    }
+
+    async fn dump(&self) -> ApiResult<RawJson> {
+        self.blocking(|c| c.dump_json())
+            .await
+            .map(|b| RawJson(b.into()))
+    }
+
+    async fn register_peer(&self, req: PeerRequest) -> ApiResult<PeerRegistration> {
+        let core = self.core();
+        // The mesh answers within one poll slice of its receiver thread.
+        let r = tokio::task::spawn_blocking(move || core.register_replica_peer(&req.endpoint))
+            .await
+            .map_err(|e| ApiError::internal(format!("service task failed: {e}")))?;
+        match r {
+            Ok(true) => Ok(PeerRegistration::Created),
+            Ok(false) => Ok(PeerRegistration::AlreadyRegistered),
+            Err(e) => Err(peer_error(&e)),
+        }
+    }
+
+    async fn deregister_peer(&self, req: PeerRequest) -> ApiResult<()> {
+        let core = self.core();
+        let r = tokio::task::spawn_blocking(move || core.deregister_replica_peer(&req.endpoint))
+            .await
+            .map_err(|e| ApiError::internal(format!("service task failed: {e}")))?;
+        r.map_err(|e| peer_error(&e))
+    }
+
+    async fn replica_peers(&self) -> ApiResult<Vec<String>> {
+        Ok(self.core().replica_peers())
+    }
+
+    fn metrics_text(&self) -> String {
+        metrics_text(self.service.core())
+    }
+}
+
+/// Prometheus text exposition of the service's counters, read at scrape time from the
+/// atomics the service already keeps (no registry to keep in sync).
+fn metrics_text(core: &SelectionCore) -> String {
+    let mut out = String::with_capacity(4096);
+    let m = core.metrics();
+    let counters = [
+        (
+            "kv_select_selections_total",
+            "Successful selections.",
+            &m.selections,
+        ),
+        (
+            "kv_select_selection_errors_total",
+            "Failed selections.",
+            &m.selection_errors,
+        ),
+        ("kv_select_bookings_total", "Bookings made.", &m.bookings),
+        (
+            "kv_select_pending_selection_evictions_total",
+            "Pending selections evicted for space.",
+            &m.pending_evictions,
+        ),
+        (
+            "kv_select_expired_reservations_total",
+            "Reservations reclaimed by expiry.",
+            &m.expired_reservations,
+        ),
+        (
+            "kv_select_reservations_rejected_total",
+            "Bookings rejected by --max-active-reservations.",
+            &m.reservations_rejected_full,
+        ),
+    ];
+    for (name, help, v) in counters {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+            v.load(Ordering::Relaxed)
+        );
+    }
+    let (pending, pending_bytes) = core.pending_selection_count();
+    let gauges = [
+        (
+            "kv_select_active_reservations",
+            "Live reservation rows.",
+            core.reservation_count() as u64,
+        ),
+        (
+            "kv_select_pending_selections",
+            "Cached pending selections.",
+            pending as u64,
+        ),
+        (
+            "kv_select_pending_selection_bytes",
+            "Estimated bytes of the pending cache.",
+            pending_bytes as u64,
+        ),
+        (
+            "kv_select_session_bindings",
+            "Session-affinity bindings.",
+            core.session_count() as u64,
+        ),
+    ];
+    for (name, help, v) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP kv_select_index_events_total KV index operations applied, by type and status.\n# TYPE kv_select_index_events_total counter"
+    );
+    for (key, counters) in core.index_counters() {
+        for (event_type, status, v) in counters.applied_rows() {
+            let _ = writeln!(
+                out,
+                "kv_select_index_events_total{{model_name=\"{}\",routing_group=\"{}\",event_type=\"{event_type}\",status=\"{status}\"}} {v}",
+                escape(&key.model_name),
+                escape(&key.routing_group)
+            );
+        }
+    }
+    if let Some(m) = core.replica_mesh_stats() {
+        let _ = writeln!(
+            out,
+            "# TYPE kv_select_replica_sent_total counter\nkv_select_replica_sent_total {}",
+            m.sent
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE kv_select_replica_delivered_total counter\nkv_select_replica_delivered_total {}",
+            m.delivered
+        );
+        let _ = writeln!(out, "# TYPE kv_select_replica_send_dropped_total counter");
+        for (reason, v) in [
+            ("queue_full", m.dropped_queue_full),
+            ("send_error", m.dropped_send),
+            ("closed", m.dropped_closed),
+        ] {
+            let _ = writeln!(
+                out,
+                "kv_select_replica_send_dropped_total{{reason=\"{reason}\"}} {v}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# TYPE kv_select_replica_received_dropped_total counter"
+        );
+        for (reason, v) in [
+            ("frame_count", m.dropped_frame_count),
+            ("unknown_topic", m.dropped_unknown_topic),
+            ("decode", m.dropped_decode),
+        ] {
+            let _ = writeln!(
+                out,
+                "kv_select_replica_received_dropped_total{{reason=\"{reason}\"}} {v}"
+            );
+        }
+        for (reason, v) in core.replica_stats().dropped_rows() {
+            let _ = writeln!(
+                out,
+                "kv_select_replica_received_dropped_total{{reason=\"{reason}\"}} {v}"
+            );
+        }
+    }
+    let stats = core.listener_stats();
+    let mut listener: BTreeMap<&'static str, Vec<String>> = BTreeMap::new();
+    for (key, s) in &stats {
+        let labels = format!(
+            "worker_id=\"{}\",dp_rank=\"{}\"",
+            key.worker_id, key.dp_rank
+        );
+        let rows = [
+            (
+                "kv_select_kv_batches_applied_total",
+                s.batches_applied.load(Ordering::Relaxed),
+            ),
+            (
+                "kv_select_kv_stale_batches_total",
+                s.stale_batches.load(Ordering::Relaxed),
+            ),
+            (
+                "kv_select_kv_gaps_total",
+                s.gaps_detected.load(Ordering::Relaxed),
+            ),
+            (
+                "kv_select_kv_batches_lost_total",
+                s.batches_lost.load(Ordering::Relaxed),
+            ),
+            (
+                "kv_select_kv_replays_timed_out_total",
+                s.replays_timed_out.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, v) in rows {
+            listener
+                .entry(name)
+                .or_default()
+                .push(format!("{name}{{{labels}}} {v}"));
+        }
+        for reason in service_builder::DropReason::ALL {
+            listener
+                .entry("kv_select_kv_dropped_batches_total")
+                .or_default()
+                .push(format!(
+                    "kv_select_kv_dropped_batches_total{{{labels},reason=\"{}\"}} {}",
+                    reason.as_str(),
+                    s.dropped(reason)
+                ));
+        }
+        for reason in service_builder::FilterReason::ALL {
+            listener
+                .entry("kv_select_kv_filtered_events_total")
+                .or_default()
+                .push(format!(
+                    "kv_select_kv_filtered_events_total{{{labels},reason=\"{}\"}} {}",
+                    reason.as_str(),
+                    s.filtered(reason)
+                ));
+        }
+    }
+    for (name, rows) in listener {
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for r in rows {
+            let _ = writeln!(out, "{r}");
+        }
+    }
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Builds and starts the service from the parsed configuration (startup validation
+/// included: tracking key, router settings, cache bounds).
+pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<ServiceBackend> {
+    use anyhow::Context as _;
+    let tracking = cfg.tracking.hasher()?;
+    let r = &cfg.router;
+    let router = selection_policy::RouterConfig {
+        overlap_score_credit: r.overlap_score_credit,
+        overlap_score_credit_decay: r.overlap_score_credit_decay,
+        prefill_load_scale: r.prefill_load_scale,
+        decode_active_request_weight: r.decode_active_request_weight,
+        router_temperature: r.router_temperature,
+        host_cache_hit_weight: r.host_cache_hit_weight,
+        disk_cache_hit_weight: r.disk_cache_hit_weight,
+        use_kv_events: r.use_kv_events,
+        router_replica_sync: r.router_replica_sync,
+        router_track_active_blocks: r.router_track_active_blocks,
+        router_track_output_blocks: r.router_track_output_blocks,
+        router_assume_kv_reuse: r.router_assume_kv_reuse,
+        router_track_prefill_tokens: r.router_track_prefill_tokens,
+        router_tracking_hash: tracking.algorithm(),
+        router_tracking_key_file: cfg.tracking.key_file.clone(),
+        router_tracking_key_id: cfg.tracking.key_id.clone(),
+        router_prefill_load_model: r.router_prefill_load_model,
+        router_ttl_secs: r.router_ttl_secs,
+        router_approximate_cache_policy: r.router_approximate_cache_policy,
+        router_predicted_ttl_secs: r.router_predicted_ttl_secs,
+        router_queue_threshold: r.router_queue_threshold,
+        router_queue_policy: r.router_queue_policy,
+        router_policy_config: r.router_policy_config.clone(),
+        router_event_threads: r.router_event_threads,
+        use_remote_indexer: r.use_remote_indexer,
+        shared_cache_type: r.shared_cache_type,
+        shared_cache_multiplier: r.shared_cache_multiplier,
+        conditional_disagg_enabled: r.conditional_disagg_enabled,
+        conditional_disagg_policy: r.conditional_disagg_policy,
+        conditional_disagg_eff_isl_threshold: r.conditional_disagg_eff_isl_threshold,
+        conditional_disagg_eff_isl_ratio_threshold: r.conditional_disagg_eff_isl_ratio_threshold,
+        conditional_disagg_prefill_busy_threshold: r.conditional_disagg_prefill_busy_threshold,
+        conditional_disagg_decode_busy_threshold: r.conditional_disagg_decode_busy_threshold,
+        ..selection_policy::RouterConfig::default()
+    };
+    let core = service_builder::CoreConfig {
+        router,
+        selection_cache: service_builder::SelectionCacheConfig {
+            ttl: cfg.selection_cache_ttl,
+            max_entries: cfg.selection_cache_max_entries,
+            max_bytes: usize::try_from(cfg.selection_cache_max_bytes).unwrap_or(usize::MAX),
+        },
+        tracking,
+        active_request_expiry: cfg.active_request_expiry,
+        max_active_reservations: cfg
+            .max_active_reservations
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        session_affinity_ttl: cfg.session_affinity_ttl,
+        ..service_builder::CoreConfig::default()
+    };
+    let mut builder = service_builder::SelectionServiceBuilder::new(core);
+    if cfg.replica_sync_port.is_some() || !cfg.replica_sync_peers.is_empty() {
+        let host = if cfg.host.is_unspecified() {
+            "*".to_owned()
+        } else {
+            cfg.host.to_string()
+        };
+        builder = builder.replica_sync(service_builder::ReplicaSyncConfig {
+            host,
+            port: cfg.replica_sync_port,
+            peers: cfg.replica_sync_peers.clone(),
+        });
+    }
+    let service = builder
+        .build()
+        .context("failed to start the selection service")?;
+    Ok(ServiceBackend::new(Arc::new(service)))
+}

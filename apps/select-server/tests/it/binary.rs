@@ -1,0 +1,433 @@
+//! Black-box tests: the real `select-server` binary on a free 127.0.0.1 port, driven over
+//! HTTP, with a real ZMQ publisher standing in for an engine.
+
+#![expect(
+    clippy::unwrap_used,
+    reason = "test helpers fail loudly on a broken fixture"
+)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("binary starts");
+        let server = Server { child, port };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return server;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("server did not listen on {port} within 20 s");
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let status: u16 = raw[9..12].parse().unwrap();
+        let text = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+        (
+            status,
+            serde_json::from_str(text).unwrap_or(Value::String(text.to_owned())),
+        )
+    }
+
+    fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call("POST", path, Some(&body))
+    }
+
+    fn get(&self, path: &str) -> (u16, Value) {
+        self.call("GET", path, None)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn stored_batch(hashes: &[u64], tokens: &[u32], block_size: u32) -> Vec<u8> {
+    let mut b = Vec::new();
+    rmp::encode::write_array_len(&mut b, 3).unwrap();
+    rmp::encode::write_f64(&mut b, 0.0).unwrap();
+    rmp::encode::write_array_len(&mut b, 1).unwrap();
+    rmp::encode::write_array_len(&mut b, 5).unwrap();
+    rmp::encode::write_str(&mut b, "BlockStored").unwrap();
+    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
+    for &h in hashes {
+        rmp::encode::write_uint(&mut b, h).unwrap();
+    }
+    rmp::encode::write_nil(&mut b).unwrap();
+    rmp::encode::write_array_len(&mut b, tokens.len() as u32).unwrap();
+    for &t in tokens {
+        rmp::encode::write_uint(&mut b, u64::from(t)).unwrap();
+    }
+    rmp::encode::write_uint(&mut b, u64::from(block_size)).unwrap();
+    rmp::encode::write_nil(&mut b).unwrap();
+    b
+}
+
+#[test]
+fn register_events_select_reserve_lifecycle_loads_dump() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let zport = free_port();
+    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let server = Server::start(&[]);
+
+    assert_eq!(server.get("/ready").0, 503);
+    for (id, ep) in [
+        (1, format!("tcp://127.0.0.1:{zport}")),
+        (2, format!("tcp://127.0.0.1:{}", free_port())),
+    ] {
+        let (status, record) = server.post(
+            "/workers",
+            json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 4, "kv_events_endpoint": ep}),
+        );
+        assert_eq!(status, 201);
+        assert_eq!(record["lifecycle"], "schedulable", "{record}");
+    }
+    assert_eq!(server.get("/ready").0, 200);
+
+    let tokens: Vec<u32> = (100..132).collect();
+    let payload = stored_batch(&(500..508).collect::<Vec<_>>(), &tokens, 4);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut seq = 0u64;
+    let selected = loop {
+        publisher
+            .send_multipart([&b""[..], &seq.to_be_bytes()[..], &payload[..]], 0)
+            .unwrap();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(50));
+        let (status, body) = server.post(
+            "/select",
+            json!({"token_ids": tokens, "selection_id": "s-1"}),
+        );
+        assert_eq!(status, 200, "{body}");
+        if body["overlap"]["gpu"] == 32 || Instant::now() > deadline {
+            break body;
+        }
+    };
+    assert_eq!(selected["worker_id"], 1);
+    assert_eq!(selected["effective_prefill_tokens"], 0);
+
+    let (status, booked) = server.post("/reservations", json!({"selection_id": "s-1"}));
+    assert_eq!((status, &booked["worker_id"]), (201, &json!(1)));
+    let (_, loads) = server.get("/loads");
+    let w1 = loads[0]["loads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["worker_id"] == 1)
+        .unwrap()
+        .clone();
+    assert_eq!(w1["active_requests"], 1);
+    assert_eq!(
+        server
+            .post(
+                "/reservations/s-1/output_block",
+                json!({"decay_fraction": 0.5})
+            )
+            .0,
+        200
+    );
+    assert_eq!(
+        server
+            .post("/reservations/s-1/prefill_complete", json!({}))
+            .0,
+        200
+    );
+    assert_eq!(server.call("DELETE", "/reservations/s-1", None).0, 200);
+    assert_eq!(server.call("DELETE", "/reservations/s-1", None).0, 404);
+
+    let (status, dump) = server.get("/dump");
+    assert_eq!(status, 200);
+    let events = dump["default:default"]["events"].as_array().unwrap();
+    let blocks: usize = events
+        .iter()
+        .map(|e| {
+            e["event"]["data"]["stored"]["blocks"]
+                .as_array()
+                .unwrap()
+                .len()
+        })
+        .sum();
+    assert_eq!(blocks, 8);
+
+    let (_, metrics) = server.get("/metrics");
+    let text = metrics.as_str().unwrap_or_default().to_owned();
+    assert!(text.contains("kv_select_bookings_total 1"), "{text}");
+    assert!(
+        text.contains("kv_select_kv_batches_applied_total{worker_id=\"1\",dp_rank=\"0\"}"),
+        "{text}"
+    );
+}
+
+#[test]
+fn rejected_requests_change_nothing_and_the_server_keeps_answering() {
+    let server = Server::start(&["--no-router-assume-kv-reuse"]);
+    let worker = json!({"worker_id": 5, "endpoint": "http://w5", "block_size": 16, "kv_events_endpoint": "tcp://127.0.0.1:1"});
+    assert_eq!(server.post("/workers", worker).0, 201);
+    let before = server.get("/workers").1;
+    let bad: [(&str, Value, u16); 5] = [
+        ("/workers", json!({"worker_id": "x"}), 422),
+        (
+            "/workers",
+            json!({"worker_id": 6, "data_parallel_size": 5000}),
+            400,
+        ),
+        (
+            "/select",
+            json!({"block_hashes": [1], "isl_tokens": 4}),
+            400,
+        ),
+        ("/reservations", json!({"selection_id": "nope"}), 404),
+        (
+            "/reservations/nope/output_block",
+            json!({"decay_fraction": 2.0}),
+            400,
+        ),
+    ];
+    for (path, body, status) in bad {
+        let (got, resp) = server.post(path, body);
+        assert_eq!(got, status, "{path}: {resp}");
+        assert!(resp["error"].is_string(), "{path}: {resp}");
+    }
+    assert_eq!(server.get("/workers").1, before);
+    assert_eq!(server.get("/health"), (200, json!({"status": "ok"})));
+    let (_, loads) = server.get("/loads");
+    assert_eq!(loads[0]["loads"][0]["active_requests"], 0);
+}
+
+#[test]
+fn sigterm_shuts_down_promptly() {
+    let mut server = Server::start(&[]);
+    assert_eq!(server.get("/health").0, 200);
+    let pid = server.child.id().to_string();
+    let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(exit) = server.child.try_wait().unwrap() {
+            assert!(exit.success(), "{exit:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "still running 5 s after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn invalid_startup_configuration_exits_non_zero_with_a_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_select-server"))
+        .args(["--router-tracking-hash", "keyed-xxh3-v1", "--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("keyed-xxh3-v1 requires router_tracking_key_file"),
+        "{stderr}"
+    );
+}
+
+fn active_requests(server: &Server) -> u64 {
+    let (_, loads) = server.get("/loads");
+    loads[0]["loads"].as_array().map_or(0, |rows| {
+        rows.iter()
+            .map(|r| r["active_requests"].as_u64().unwrap_or(0))
+            .sum()
+    })
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn two_replicas_share_bookings_over_the_mesh() {
+    let (ra, rb) = (free_port(), free_port());
+    let a = Server::start(&[
+        "--replica-sync-port",
+        &ra.to_string(),
+        "--replica-sync-peers",
+        &format!("tcp://127.0.0.1:{rb}"),
+        "--session-affinity-ttl-secs",
+        "60",
+    ]);
+    let b = Server::start(&[
+        "--replica-sync-port",
+        &rb.to_string(),
+        "--session-affinity-ttl-secs",
+        "60",
+    ]);
+    // B learns of A dynamically.
+    let peer = json!({"endpoint": format!("tcp://127.0.0.1:{ra}")});
+    assert_eq!(b.post("/replica_sync/register_peer", peer.clone()).0, 201);
+    assert_eq!(b.post("/replica_sync/register_peer", peer.clone()).0, 200);
+    assert_eq!(
+        b.get("/replica_sync/peers").1,
+        json!([format!("tcp://127.0.0.1:{ra}")])
+    );
+    for s in [&a, &b] {
+        for id in 1..=3 {
+            let w = json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 16,
+                           "kv_events_endpoint": format!("tcp://127.0.0.1:{}", free_port())});
+            assert_eq!(s.post("/workers", w).0, 201);
+        }
+    }
+    let mut n = 0;
+    wait_for("A's bookings to reach B", || {
+        n += 1;
+        let id = format!("probe-{n}");
+        let (status, _) = a.post(
+            "/select_and_reserve",
+            json!({"selection_id": id, "token_ids": [1, 2, 3]}),
+        );
+        assert_eq!(status, 200);
+        std::thread::sleep(Duration::from_millis(50));
+        let seen = active_requests(&b) > 0;
+        assert_eq!(
+            a.call("DELETE", &format!("/reservations/{id}"), None).0,
+            200
+        );
+        seen
+    });
+    wait_for("probe frees to reach B", || active_requests(&b) == 0);
+
+    let (_, booked) = a.post(
+        "/select_and_reserve",
+        json!({"selection_id": "r1", "token_ids": (0..64).collect::<Vec<u32>>(), "session_id": "chat"}),
+    );
+    wait_for("the booking to reach B", || active_requests(&b) == 1);
+    assert_eq!(
+        b.post(
+            "/select_and_reserve",
+            json!({"selection_id": "r1", "token_ids": [1]})
+        )
+        .0,
+        409
+    );
+    let (_, steered) = b.post(
+        "/select",
+        json!({"token_ids": [9, 9], "session_id": "chat"}),
+    );
+    assert_eq!(steered["worker_id"], booked["worker_id"]);
+    assert_eq!(a.call("DELETE", "/reservations/r1", None).0, 200);
+    wait_for("the free to reach B", || active_requests(&b) == 0);
+
+    assert_eq!(b.post("/replica_sync/deregister_peer", peer.clone()).0, 200);
+    assert_eq!(b.post("/replica_sync/deregister_peer", peer).0, 404);
+    let bad = b.post(
+        "/replica_sync/register_peer",
+        json!({"endpoint": "tcp://nohost"}),
+    );
+    assert_eq!(bad.0, 400, "{}", bad.1);
+}
+
+#[test]
+fn replica_sync_disabled_answers_409_and_empty_peers() {
+    let s = Server::start(&[]);
+    assert_eq!(
+        s.post(
+            "/replica_sync/register_peer",
+            json!({"endpoint": "tcp://127.0.0.1:1"})
+        )
+        .0,
+        409
+    );
+    assert_eq!(s.get("/replica_sync/peers"), (200, json!([])));
+}
+
+#[test]
+fn a_replica_port_in_use_fails_startup() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_select-server"))
+        .args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--replica-sync-port",
+            &port,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("failed to bind replica-sync publisher"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn startup_recovery_copies_a_peers_index_and_skips_dead_peers() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let zport = free_port();
+    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let a = Server::start(&[]);
+    let w = json!({"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
+                   "kv_events_endpoint": format!("tcp://127.0.0.1:{zport}")});
+    assert_eq!(a.post("/workers", w).0, 201);
+    let payload = stored_batch(&[900, 901, 902], &(0..12).collect::<Vec<u32>>(), 4);
+    let mut seq = 0u64;
+    wait_for("A to index the blocks", || {
+        publisher
+            .send_multipart([&b""[..], &seq.to_be_bytes()[..], &payload[..]], 0)
+            .unwrap();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(30));
+        a.get("/dump").1["default:default"]["events"]
+            .as_array()
+            .is_some_and(|e| !e.is_empty())
+    });
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let peers = format!("{dead},http://127.0.0.1:{}", a.port);
+    let b = Server::start(&["--indexer-peers", &peers]);
+    assert_eq!(b.get("/dump").1, a.get("/dump").1);
+}

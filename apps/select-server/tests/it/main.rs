@@ -1,0 +1,8 @@
+//! Integration tests of select-server: routes driven through `tower::ServiceExt::oneshot`
+//! against a recording fake backend, with golden bodies from `spec/reference-transcript.md`.
+
+mod binary;
+mod fake;
+mod routes;
+mod serve;
+mod shapes;

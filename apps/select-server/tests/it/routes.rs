@@ -1,0 +1,575 @@
+//! Routing, rejections, auth and header handling.
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::Full;
+use select_server::{BodyLimits, EdgeOptions};
+
+use crate::fake::{Call, Harness};
+
+const SHAPE: &str = "Failed to deserialize the JSON body into the target type: ";
+const SYNTAX: &str = "Failed to parse the request body as JSON: ";
+
+#[tokio::test]
+async fn health_and_fallbacks() {
+    let h = Harness::new();
+    let r = h.bare(Method::GET, "/health").await;
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (StatusCode::OK, r#"{"status":"ok"}"#)
+    );
+
+    for path in [
+        "/no/such/route",
+        "/select/",
+        "/",
+        "/workers/1/x",
+        "/replica_sync",
+    ] {
+        let r = h.bare(Method::GET, path).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{path}");
+        assert_eq!(r.body, r#"{"error":"route not found"}"#, "{path}");
+    }
+    for (method, path) in [
+        (Method::GET, "/select"),
+        (Method::DELETE, "/workers"),
+        (Method::GET, "/replica_sync/register_peer"),
+        (Method::POST, "/workers/7"),
+        (Method::PUT, "/reservations/x"),
+        (Method::POST, "/health"),
+    ] {
+        let r = h.bare(method.clone(), path).await;
+        assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        assert_eq!(r.body, r#"{"error":"method not allowed"}"#);
+    }
+    assert!(h.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn worker_id_path_parameter() {
+    let h = Harness::new();
+    let r = h
+        .json(Method::PATCH, "/workers/abc", r#"{"block_size":16}"#)
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.error(), "Invalid URL: Cannot parse `abc` to a `u64`");
+    let r = h.bare(Method::DELETE, "/workers/-1").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.error(), "Invalid URL: Cannot parse `-1` to a `u64`");
+    assert!(h.fake.calls().is_empty());
+
+    // path checked before the body: a bad id with a bad body is still the path error
+    let r = h.bare(Method::PATCH, "/workers/x1").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+
+    let r = h
+        .json(Method::PATCH, "/workers/999", r#"{"block_size":16}"#)
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.body, r#"{"error":"worker 999 not found"}"#);
+    let r = h
+        .bare(Method::DELETE, "/workers/18446744073709551615")
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json()["lifecycle"], "unschedulable");
+    assert!(r.json().get("not_schedulable_reasons").is_none());
+    let calls = h.fake.calls();
+    assert!(matches!(&calls[0], Call::Patch(999, p) if p.block_size == Some(16)));
+    assert!(matches!(calls[1], Call::Delete(u64::MAX)));
+}
+
+#[tokio::test]
+async fn selection_id_is_percent_decoded() {
+    let h = Harness::new();
+    let r = h
+        .bare(Method::POST, "/reservations/a%2Fb%20c/prefill_complete")
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = h.bare(Method::DELETE, "/reservations/%E2%9C%93").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let calls = h.fake.calls();
+    assert!(matches!(&calls[0], Call::Prefill(id) if id == "a/b c"));
+    assert!(matches!(&calls[1], Call::Free(id) if id == "✓"));
+}
+
+#[tokio::test]
+async fn content_type_rejections() {
+    let h = Harness::new();
+    let expected = "Expected request with `Content-Type: application/json`";
+    let r = h
+        .send(
+            Request::post("/select")
+                .body(Full::new(Bytes::from_static(br#"{"token_ids":[1,2,3]}"#)))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(r.error(), expected);
+    let r = h
+        .send(
+            Request::post("/workers")
+                .header("content-type", "text/plain")
+                .body(Full::new(Bytes::from_static(br#"{"worker_id":1}"#)))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(r.body, format!(r#"{{"error":"{expected}"}}"#));
+
+    // +json and parameters are accepted
+    let r = h
+        .send(
+            Request::post("/workers")
+                .header(
+                    "content-type",
+                    "application/merge-patch+json; charset=utf-8",
+                )
+                .body(Full::new(Bytes::from_static(br#"{"worker_id":1}"#)))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(h.fake.calls().len(), 1);
+
+    // routes without a body ignore body and content type
+    let r = h
+        .send(
+            Request::post("/reservations/r1/prefill_complete")
+                .header("content-type", "text/plain")
+                .body(Full::new(Bytes::from_static(b"garbage")))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn syntax_errors_are_400() {
+    let h = Harness::new();
+    let r = h
+        .json(Method::POST, "/select", r#"{"token_ids": [1, 2,"#)
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.error().starts_with(SYNTAX), "{}", r.error());
+    assert!(r.error().contains("EOF"), "{}", r.error());
+
+    let r = h.json(Method::POST, "/select", "").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        r.error(),
+        format!("{SYNTAX}EOF while parsing a value at line 1 column 0")
+    );
+    assert!(h.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn trailing_bytes_are_400_and_change_nothing() {
+    let h = Harness::new();
+    let r = h
+        .json(
+            Method::POST,
+            "/workers",
+            r#"{"worker_id":1}{"worker_id":2}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.error().starts_with(SYNTAX), "{}", r.error());
+    let r = h
+        .json(Method::POST, "/workers", r#"{"worker_id":1} x"#)
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(h.fake.calls().is_empty());
+    let r = h
+        .json(Method::POST, "/workers", "{\"worker_id\":1}\r\n \t")
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn shape_errors_are_422_naming_the_field() {
+    let h = Harness::new();
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "/select",
+            "[1,2,3]",
+            "invalid type: sequence, expected a JSON object",
+        ),
+        ("/select", r#"{"token_ids":["1","2"]}"#, "token_ids"),
+        ("/select", r#"{"token_ids":[-1,2,3]}"#, "expected u32"),
+        ("/select", r#"{"token_ids":[4294967296]}"#, "token_ids"),
+        (
+            "/select_and_reserve",
+            r#"{"token_ids":[1],"expected_output_tokens":-1}"#,
+            "expected_output_tokens: invalid value: integer `-1`, expected u32",
+        ),
+        (
+            "/select",
+            r#"{"token_ids":[1],"session_context":{"session_id":"s-A","input_trigger":"bogus"}}"#,
+            "session_context.input_trigger: unknown variant `bogus`",
+        ),
+        (
+            "/select",
+            r#"{"token_ids":[1],"router_config_override":{"router_temperature":-1}}"#,
+            "router_config_override.router_temperature",
+        ),
+        (
+            "/select",
+            r#"{"token_ids":[1],"pinned_worker":{"worker_id":1}}"#,
+            "missing field `dp_rank`",
+        ),
+        (
+            "/select",
+            r#"{"block_hashes":[9223372036854775808],"sequence_hashes":[1],"isl_tokens":1}"#,
+            "block_hashes",
+        ),
+        (
+            "/workers",
+            r#"{"endpoint":"http://x","block_size":16}"#,
+            "missing field `worker_id`",
+        ),
+        (
+            "/workers",
+            r#"{"worker_id":-1}"#,
+            "worker_id: invalid value: integer `-1`, expected u64",
+        ),
+        (
+            "/workers",
+            r#"{"worker_id":"7"}"#,
+            "worker_id: invalid type: string",
+        ),
+        (
+            "/workers",
+            r#"{"worker_id":7,"block_size":-16}"#,
+            "block_size",
+        ),
+        (
+            "/workers",
+            r#"{"worker_id":7,"kv_transfer_enforcement":"maybe"}"#,
+            "kv_transfer_enforcement",
+        ),
+        (
+            "/reservations",
+            r#"{"worker_id":1,"dp_rank":0,"token_ids":[1,2,3]}"#,
+            "missing field `selection_id`",
+        ),
+        (
+            "/replica_sync/register_peer",
+            "{}",
+            "missing field `endpoint`",
+        ),
+        ("/potential_loads", r#"{"isl_tokens":-5}"#, "isl_tokens"),
+        (
+            "/reservations/r/output_block",
+            r#"{"decay_fraction":"half"}"#,
+            "decay_fraction",
+        ),
+    ];
+    for (path, body, needle) in cases {
+        let r = h.json(Method::POST, path, *body).await;
+        assert_eq!(
+            r.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{path} {body}: {}",
+            r.body
+        );
+        let msg = r.error();
+        assert!(msg.starts_with(SHAPE), "{msg}");
+        assert!(msg.contains(needle), "{path} {body}: {msg}");
+    }
+    // a non-numeric rank key is rejected before any state changes (400 or 422 allowed)
+    let r = h
+        .json(
+            Method::POST,
+            "/workers",
+            r#"{"worker_id":1,"kv_events_endpoints":{"a":"tcp://h:1"}}"#,
+        )
+        .await;
+    assert!(
+        matches!(
+            r.status,
+            StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY
+        ),
+        "{}",
+        r.status
+    );
+    assert!(h.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn body_over_8_mib_is_413() {
+    let h = Harness::new();
+    let mut body = Vec::with_capacity(10 << 20);
+    body.extend_from_slice(br#"{"token_ids":["#);
+    while body.len() < 10 << 20 {
+        body.extend_from_slice(b"1,");
+    }
+    body.extend_from_slice(b"1]}");
+    let expected = "Failed to buffer the request body: length limit exceeded";
+    // streamed (no content-length header)
+    let r = h.json(Method::POST, "/select", body.clone()).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.error(), expected);
+    // declared length
+    let len = body.len();
+    let r = h
+        .send(
+            Request::post("/select")
+                .header("content-type", "application/json")
+                .header("content-length", len)
+                .body(Full::new(Bytes::from(body)))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(h.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn large_prompt_under_the_limit_is_served() {
+    let h = Harness::new();
+    let tokens: Vec<String> = (0..500_000).map(|t| t.to_string()).collect();
+    let body = format!(r#"{{"token_ids":[{}]}}"#, tokens.join(","));
+    assert!(body.len() < 8 << 20);
+    let r = h.json(Method::POST, "/select", body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let calls = h.fake.calls();
+    let Call::Select(req) = &calls[0] else {
+        panic!("{calls:?}")
+    };
+    assert_eq!(req.prompt.token_ids.as_ref().map(Vec::len), Some(500_000));
+}
+
+#[tokio::test]
+async fn nesting_and_array_bounds() {
+    let h = Harness::new();
+    // deep nesting inside an ignored field
+    let deep = format!(
+        r#"{{"token_ids":[1],"x":{}{}}}"#,
+        "[".repeat(100),
+        "]".repeat(100)
+    );
+    let r = h.json(Method::POST, "/select", deep).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.error().contains("nesting depth"), "{}", r.error());
+
+    let small = Harness::with_options(EdgeOptions {
+        limits: BodyLimits {
+            max_array_len: 4,
+            ..BodyLimits::default()
+        },
+        auth_token: None,
+    });
+    let r = small
+        .json(Method::POST, "/select", r#"{"token_ids":[1,2,3,4,5]}"#)
+        .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(r.error().contains("more than 4 elements"), "{}", r.error());
+    let r = small
+        .json(Method::POST, "/select", r#"{"token_ids":[1,2,3,4]}"#)
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(h.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn bearer_auth() {
+    let h = Harness::with_options(EdgeOptions {
+        limits: BodyLimits::default(),
+        auth_token: Some("s3cret".to_owned()),
+    });
+    let r = h.bare(Method::GET, "/health").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = h.bare(Method::GET, "/loads").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert!(!r.error().is_empty());
+    let r = h.bare(Method::GET, "/no/such/route").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+    for auth in ["Bearer wrong", "Basic s3cret", "s3cret", "Bearer s3cret2"] {
+        let r = h
+            .send(
+                Request::get("/loads")
+                    .header("authorization", auth)
+                    .body(Full::new(Bytes::new()))
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{auth}");
+    }
+    assert!(h.fake.calls().is_empty());
+    let r = h
+        .send(
+            Request::get("/loads")
+                .header("authorization", "bearer s3cret")
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn policy_class_header_passes_through() {
+    let h = Harness::new();
+    for (value, expected) in [
+        (Some("  premium  "), Some("premium")),
+        (Some("   "), None),
+        (None, None),
+    ] {
+        let mut b = Request::post("/select").header("content-type", "application/json");
+        if let Some(v) = value {
+            b = b.header("x-dynamo-meta-policy-class", v);
+        }
+        let r = h
+            .send(
+                b.body(Full::new(Bytes::from_static(br#"{"token_ids":[]}"#)))
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        let calls = h.fake.calls();
+        let Some(Call::Select(req)) = calls.last() else {
+            panic!("{calls:?}")
+        };
+        assert_eq!(req.options.policy_class.as_deref(), expected);
+    }
+    let r = h
+        .send(
+            Request::post("/select_and_reserve")
+                .header("content-type", "application/json")
+                .header("x-dynamo-meta-policy-class", "batch")
+                .body(Full::new(Bytes::from_static(
+                    br#"{"token_ids":[],"advisory":true}"#,
+                )))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let calls = h.fake.calls();
+    let Some(Call::SelectAndReserve(req)) = calls.last() else {
+        panic!("{calls:?}")
+    };
+    assert_eq!(req.options.policy_class.as_deref(), Some("batch"));
+}
+
+#[tokio::test]
+async fn output_block_validates_decay_first() {
+    let h = Harness::new();
+    for body in [r#"{"decay_fraction":-0.5}"#, r#"{"decay_fraction":1.5}"#] {
+        let r = h
+            .json(Method::POST, "/reservations/nope/output_block", body)
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            r.body,
+            r#"{"error":"decay_fraction must be between 0.0 and 1.0"}"#
+        );
+    }
+    assert!(h.fake.calls().is_empty());
+    for body in [
+        "{}",
+        r#"{"decay_fraction":0.5}"#,
+        r#"{"decay_fraction":null}"#,
+    ] {
+        let r = h
+            .json(Method::POST, "/reservations/res-1/output_block", body)
+            .await;
+        assert_eq!(
+            (r.status, r.body.as_str()),
+            (StatusCode::OK, r#"{"status":"ok"}"#)
+        );
+    }
+    // output_block needs a JSON body
+    let r = h
+        .bare(Method::POST, "/reservations/res-1/output_block")
+        .await;
+    assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let calls = h.fake.calls();
+    assert!(
+        matches!(&calls[1], Call::Output(id, req) if id == "res-1" && req.decay_fraction == Some(0.5))
+    );
+}
+
+#[tokio::test]
+async fn queries_are_decoded() {
+    let h = Harness::new();
+    let r = h
+        .bare(Method::GET, "/workers?model_name=llama%203&other=1")
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = h
+        .bare(Method::GET, "/loads?model_name=default&routing_group=a+b")
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let calls = h.fake.calls();
+    assert!(matches!(&calls[0], Call::List(q)
+        if q.model_name.as_deref() == Some("llama 3") && q.routing_group.is_none()));
+    assert!(matches!(&calls[1], Call::Loads(q)
+        if q.model_name.as_deref() == Some("default") && q.routing_group.as_deref() == Some("a b")));
+}
+
+#[tokio::test]
+async fn errors_use_the_envelope() {
+    let h = Harness::new();
+    let r = h
+        .json(
+            Method::POST,
+            "/select",
+            r#"{"model_name":"nope","token_ids":[1]}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        r.body,
+        r#"{"error":"no schedulable workers for model=nope routing_group=default"}"#
+    );
+    let r = h
+        .json(
+            Method::POST,
+            "/select",
+            r#"{"selection_id":"queue","token_ids":[1]}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        r.json(),
+        serde_json::json!({
+            "error": "router policy class \"batch\" queue raw_isl_tokens limit reached (current=100, limit=64)",
+            "details": {"policy_class": "batch", "limit_kind": "raw_isl_tokens", "current": 100, "limit": 64}
+        })
+    );
+    // prompt rules applied by the backend via the dto helpers (transcript steps 50, 53, 54)
+    for (body, msg) in [
+        ("{}", "block_hashes is required without token_ids"),
+        (
+            r#"{"block_hashes":[1],"sequence_hashes":[1]}"#,
+            "isl_tokens is required without token_ids",
+        ),
+        (
+            r#"{"block_hashes":[1,2],"sequence_hashes":[1],"isl_tokens":32}"#,
+            "block_hashes length 2 must match sequence_hashes length 1",
+        ),
+    ] {
+        let r = h.json(Method::POST, "/select", body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST);
+        assert_eq!(r.error(), msg);
+    }
+    let r = h
+        .bare(Method::POST, "/reservations/nope/prefill_complete")
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.body, r#"{"error":"reservation nope not found"}"#);
+}
+
+#[tokio::test]
+async fn metrics_are_text() {
+    let h = Harness::new();
+    let r = h.bare(Method::GET, "/metrics").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(
+        r.content_type.starts_with("text/plain"),
+        "{}",
+        r.content_type
+    );
+    assert!(r.body.contains("kv_select_up 1"));
+}

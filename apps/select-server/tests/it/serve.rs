@@ -1,0 +1,94 @@
+//! The real server loop on a loopback port, and startup helpers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use select_server::{EdgeOptions, read_workers_file, router, serve};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::fake::Fake;
+
+async fn roundtrip(addr: std::net::SocketAddr, request: &str) -> String {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("write request");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out))
+        .await
+        .expect("response within 10 s")
+        .expect("read response");
+    String::from_utf8(out).expect("UTF-8 response")
+}
+
+#[tokio::test]
+async fn serves_http1_on_loopback() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let fake = Arc::new(Fake::default());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(
+        listener,
+        router(Arc::clone(&fake), EdgeOptions::default()),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+
+    let resp = roundtrip(
+        addr,
+        "GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 200 OK"), "{resp}");
+    assert!(resp.ends_with(r#"{"status":"ok"}"#), "{resp}");
+
+    let body = r#"{"worker_id":3}"#;
+    let resp = roundtrip(
+        addr,
+        &format!(
+            "POST /workers HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 201 Created"), "{resp}");
+    assert!(
+        resp.to_ascii_lowercase()
+            .contains("content-type: application/json")
+    );
+
+    stop.send(()).expect("server still running");
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .expect("server stops")
+        .expect("no panic")
+        .expect("no io error");
+    assert_eq!(fake.calls().len(), 1);
+}
+
+#[test]
+fn workers_file_is_an_array_of_worker_records() {
+    let dir = std::env::temp_dir().join(format!("select-server-it-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let good = dir.join("workers.json");
+    std::fs::write(
+        &good,
+        r#"[{"worker_id":1,"endpoint":"http://a","block_size":16},{"worker_id":2,"model_name":"m"}]"#,
+    )
+    .expect("write");
+    let workers = read_workers_file(&good).expect("parses");
+    assert_eq!(workers.len(), 2);
+    assert_eq!(workers[1].model_name, "m");
+    assert_eq!(workers[0].routing_group, "default");
+
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, r#"{"worker_id":1}"#).expect("write");
+    let err = read_workers_file(&bad).unwrap_err().to_string();
+    assert!(err.contains("not a JSON array"), "{err}");
+    assert!(read_workers_file(&dir.join("missing.json")).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,68 @@
+//! Everything about the engine KV-event protocol (`spec/kv-events.md`): turning the bytes
+//! that vLLM, SGLang and TensorRT-LLM publish on ZMQ into typed [`kv_types::KvOperation`]s,
+//! reliably, for hundreds of publishers at once.
+//!
+//! # Layers
+//! - [`decode`] (sans-IO): live framing `[topic, seq, payload]` and msgpack batches
+//!   `[ts, events, dp_rank]` (also the map form) with events in every known shape —
+//!   positional arrays (old vLLM, SGLang tuples with the salt map at position 7, vLLM tuples
+//!   with the fixed metadata tail) and `"type"`-tagged maps. Unknown keys are ignored, absent
+//!   trailing fields read as nil, one bad event drops its whole batch.
+//! - [`Normalizer`] (sans-IO, stateful per stream): the filters of §6 (ownership, locality,
+//!   medium → tier, attention groups learned per rank, cache-salt propagation along parent
+//!   chains) and the conversion of §7 (stored token ids re-hashed into local block hashes with
+//!   the worker's registered block size; engine hashes kept as external hashes).
+//! - [`KvEventListener`] (IO): one SUB socket and one OS thread per (worker, DP rank)
+//!   endpoint, a sequence [`Watermark`], gap detection and replay from the engine's ROUTER
+//!   over DEALER, delivering each batch's operations to a [`KvEventSink`].
+//!
+//! # Non-goals
+//! The crate knows nothing of the index: whether a parent exists or a removed hash is known
+//! is the sink's business. It reads no environment and owns no global state.
+//!
+//! # Invariants
+//! - No input bytes can panic the decoder, make it recurse without bound or allocate more
+//!   than a small multiple of the payload size (checked by a proptest over arbitrary bytes
+//!   and a `cargo fuzz` target in `/fuzz`).
+//! - A batch is applied whole or not at all; the watermark only advances past a batch whose
+//!   operations were handed to the sink.
+//! - Nothing from the wire stops a listener: bad frames and payloads are dropped, counted per
+//!   [`DropReason`] in [`ListenerStats`] and logged rate-limited. Only a failure of the live
+//!   socket itself ends it ([`ListenerState::Failed`]).
+//! - Dropping a [`KvEventListener`] stops its thread (within one 100 ms poll slice) and closes
+//!   its sockets (linger 0).
+//!
+//! # Design choices
+//! - msgpack is read with `rmp`'s marker and length primitives, not `rmpv::Value` trees:
+//!   `rmpv` builds a full tree and recurses per nesting level, while the schema here is known,
+//!   so the decoder walks it directly, borrows strings from the payload, and skips unknown
+//!   values iteratively. Declared lengths are checked against the bytes left before anything
+//!   is reserved (every element needs at least one byte).
+//! - Replays run inline on the listener thread (live messages wait in the SUB queue), bounded
+//!   by `replay_timeout` (default 5 s, unlike the reference's unbounded wait). An abandoned
+//!   replay closes its DEALER so late answers cannot be mistaken for the next replay's.
+//! - Deviation: replayed batches at or below the watermark are skipped rather than re-applied.
+//! - Throughput (bench `events`: one batch of 32 stored events × 16 blocks × 16 tokens,
+//!   decode + filter + re-hash on one core): median 68–78 µs per batch, i.e. 6.6–7.5 M
+//!   blocks/s and about 0.45 M events/s; decoding alone is 54–57 µs. Measured on the shared
+//!   2-core dev machine with other builds running. Token ids are most of the bytes, so
+//!   their common integer encodings are read in one tight loop instead of per-value calls
+//!   (that loop took the batch from 109 µs to under 80 µs).
+
+pub mod decode;
+mod endpoint;
+mod listener;
+mod normalize;
+mod reader;
+mod stats;
+mod watermark;
+
+pub use decode::{DecodeError, EventBatch, FrameError, LiveMessage, RawEvent, decode_batch};
+pub use endpoint::{EndpointError, validate_endpoint};
+pub use listener::{
+    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_REPLAY_TIMEOUT, KvEventListener, KvEventSink, ListenerConfig,
+    ListenerError, ListenerState,
+};
+pub use normalize::{FilterReason, Normalizer};
+pub use stats::{DropReason, ListenerStats};
+pub use watermark::{SeqObservation, Watermark};

@@ -1,0 +1,427 @@
+//! Loopback integration tests: a Rust ZMQ PUB (and ROUTER for replay) on 127.0.0.1 against
+//! the real listener. Every wait is bounded; nothing asserts timings.
+
+#![expect(
+    clippy::unwrap_used,
+    reason = "test fixtures panic on setup failure, which fails the test"
+)]
+
+mod sglang_interop;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_events::{DropReason, KvEventListener, ListenerConfig, ListenerState, ListenerStats};
+use kv_types::{ExternalHash, KvOperation, KvOperationKind, WorkerKey};
+use parking_lot::Mutex;
+use rmpv::Value;
+
+pub(crate) const WAIT: Duration = Duration::from_secs(15);
+
+/// Binds `kind` on a free loopback port and returns it with its endpoint.
+pub(crate) fn bind_free(ctx: &zmq::Context, kind: zmq::SocketType) -> (zmq::Socket, String) {
+    let s = ctx.socket(kind).unwrap();
+    s.set_linger(0).unwrap();
+    s.bind("tcp://127.0.0.1:*").unwrap();
+    let ep = s.get_last_endpoint().unwrap().unwrap();
+    (s, ep)
+}
+
+pub(crate) fn encode(v: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, v).unwrap();
+    out
+}
+
+fn batch(events: Vec<Value>) -> Vec<u8> {
+    encode(&Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(events),
+        Value::Nil,
+    ]))
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>) -> Value {
+    Value::Array(vec![
+        Value::from("BlockStored"),
+        Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
+        parent.map_or(Value::Nil, Value::from),
+        Value::Array((0..4 * hashes.len() as u64).map(Value::from).collect()),
+        Value::from(4),
+        Value::Nil,
+        Value::from("GPU"),
+    ])
+}
+
+fn removed(hashes: &[u64]) -> Value {
+    Value::Map(vec![
+        (Value::from("type"), Value::from("BlockRemoved")),
+        (
+            Value::from("block_hashes"),
+            Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
+        ),
+    ])
+}
+
+fn cleared() -> Value {
+    Value::Array(vec![Value::from("AllBlocksCleared")])
+}
+
+pub(crate) fn publish(publisher: &zmq::Socket, seq: u64, payload: &[u8]) {
+    publisher
+        .send_multipart([&b"kv@test"[..], &seq.to_be_bytes()[..], payload], 0)
+        .unwrap();
+}
+
+/// Collects what the listener delivers, batch by batch.
+pub(crate) struct Collector {
+    rx: mpsc::Receiver<Vec<KvOperation>>,
+}
+
+impl Collector {
+    pub(crate) fn new() -> (Arc<dyn kv_events::KvEventSink>, Self) {
+        let (tx, rx) = mpsc::channel::<Vec<KvOperation>>();
+        let tx = Mutex::new(tx);
+        let sink = move |ops: &[KvOperation]| {
+            let _ = tx.lock().send(ops.to_vec());
+        };
+        (Arc::new(sink), Self { rx })
+    }
+
+    /// Next delivered batch, within [`WAIT`].
+    pub(crate) fn next(&self) -> Vec<KvOperation> {
+        self.rx
+            .recv_timeout(WAIT)
+            .expect("a batch within the wait bound")
+    }
+
+    /// Publishes `(seq, payload)` repeatedly until the listener delivers it (slow joiner:
+    /// the first messages after a connect may be lost). Duplicates are dropped as stale.
+    pub(crate) fn publish_until_delivered(
+        &self,
+        publisher: &zmq::Socket,
+        seq: u64,
+        payload: &[u8],
+    ) -> Vec<KvOperation> {
+        let deadline = Instant::now() + WAIT;
+        while Instant::now() < deadline {
+            publish(publisher, seq, payload);
+            if let Ok(ops) = self.rx.recv_timeout(Duration::from_millis(100)) {
+                return ops;
+            }
+        }
+        panic!("seq {seq} never delivered");
+    }
+
+    pub(crate) fn assert_quiet(&self) {
+        assert!(self.rx.recv_timeout(Duration::from_millis(200)).is_err());
+    }
+}
+
+pub(crate) fn wait_until(mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if cond() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("condition not reached within the wait bound");
+}
+
+fn hashes_of(op: &KvOperation) -> Vec<u64> {
+    match &op.kind {
+        KvOperationKind::Stored { blocks, .. } => blocks.iter().map(|b| b.block_hash.0).collect(),
+        KvOperationKind::Removed { block_hashes } => block_hashes.iter().map(|h| h.0).collect(),
+        KvOperationKind::Cleared => vec![],
+    }
+}
+
+/// A test ROUTER answering replay requests from a shared ring of `seq → payload`.
+struct ReplayServer {
+    ring: Arc<Mutex<BTreeMap<u64, Vec<u8>>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    endpoint: String,
+}
+
+impl ReplayServer {
+    fn start(ctx: &zmq::Context, with_topic: bool) -> Self {
+        let (router, endpoint) = bind_free(ctx, zmq::ROUTER);
+        let ring = Arc::new(Mutex::new(BTreeMap::<u64, Vec<u8>>::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (r2, s2) = (Arc::clone(&ring), Arc::clone(&stop));
+        let thread = std::thread::spawn(move || {
+            while !s2.load(Ordering::Acquire) {
+                if router.poll(zmq::POLLIN, 50).unwrap() == 0 {
+                    continue;
+                }
+                let frames = router.recv_multipart(0).unwrap();
+                let [id, empty, start] = frames.as_slice() else {
+                    panic!("replay request must be [id, \"\", start]");
+                };
+                assert!(empty.is_empty());
+                let start = u64::from_be_bytes(start.as_slice().try_into().unwrap());
+                let reply = |seq: &[u8], payload: &[u8]| {
+                    if with_topic {
+                        router.send_multipart([&id[..], b"", b"kv@test", seq, payload], 0)
+                    } else {
+                        router.send_multipart([&id[..], b"", seq, payload], 0)
+                    }
+                    .unwrap();
+                };
+                for (seq, payload) in r2.lock().range(start..) {
+                    reply(&seq.to_be_bytes(), payload);
+                }
+                reply(&(-1i64).to_be_bytes(), b"");
+            }
+        });
+        Self {
+            ring,
+            stop,
+            thread: Some(thread),
+            endpoint,
+        }
+    }
+}
+
+impl Drop for ReplayServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn get(c: &std::sync::atomic::AtomicU64) -> u64 {
+    ListenerStats::get(c)
+}
+
+#[test]
+fn stored_removed_cleared_then_gap_is_replayed() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let replay = ReplayServer::start(&ctx, true);
+    let (sink, rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(7, 0), ep, 4)
+        .with_replay_endpoint(replay.endpoint.clone());
+    let listener = KvEventListener::start(config, sink).unwrap();
+
+    let ops = rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1, 2], None)]));
+    assert_eq!(ops.len(), 1);
+    assert_eq!(hashes_of(&ops[0]), vec![1, 2]);
+    assert_eq!(ops[0].event_id, 0);
+
+    publish(&publisher, 1, &batch(vec![removed(&[2])]));
+    let ops = rx.next();
+    assert_eq!(
+        ops[0].kind,
+        KvOperationKind::Removed {
+            block_hashes: vec![ExternalHash(2)]
+        }
+    );
+
+    // Seqs 2 and 3 are only in the engine's ring: the live seq 4 reveals the gap.
+    let b2 = batch(vec![stored(&[3], Some(1))]);
+    let b3 = batch(vec![stored(&[4], Some(3))]);
+    let b4 = batch(vec![cleared()]);
+    {
+        let mut ring = replay.ring.lock();
+        ring.insert(2, b2);
+        ring.insert(3, b3);
+        ring.insert(4, b4.clone());
+    }
+    publish(&publisher, 4, &b4);
+    let replayed: Vec<Vec<KvOperation>> = (0..3).map(|_| rx.next()).collect();
+    assert_eq!(
+        replayed.iter().map(|b| b[0].event_id).collect::<Vec<_>>(),
+        vec![2, 3, 4]
+    );
+    assert_eq!(hashes_of(&replayed[0][0]), vec![3]);
+    assert!(matches!(
+        &replayed[1][0].kind,
+        KvOperationKind::Stored {
+            parent_hash: Some(ExternalHash(3)),
+            ..
+        }
+    ));
+    assert_eq!(replayed[2][0].kind, KvOperationKind::Cleared);
+    // The live seq 4 is a duplicate of the replayed one.
+    wait_until(|| get(&listener.stats().stale_batches) >= 1);
+    rx.assert_quiet();
+    let stats = listener.stats();
+    assert_eq!(get(&stats.gaps_detected), 1);
+    assert_eq!(get(&stats.replays_requested), 1);
+    assert_eq!(get(&stats.replays_complete), 1);
+    assert_eq!(get(&stats.replayed_batches), 3);
+    assert_eq!(listener.watermark(), Some(4));
+
+    // Subsequent live traffic continues normally.
+    publish(&publisher, 5, &batch(vec![stored(&[10], None)]));
+    assert_eq!(rx.next()[0].event_id, 5);
+    listener.stop();
+}
+
+#[test]
+fn replay_without_topic_frame_and_initial_gap() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let replay = ReplayServer::start(&ctx, false);
+    replay
+        .ring
+        .lock()
+        .insert(0, batch(vec![stored(&[100], None)]));
+    let (sink, rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(1, 0), ep, 4)
+        .with_replay_endpoint(replay.endpoint.clone());
+    let listener = KvEventListener::start(config, sink).unwrap();
+    // First message seq 1: gap [0, 1) on a fresh watermark, replayed SGLang-style.
+    let first = rx.publish_until_delivered(&publisher, 1, &batch(vec![stored(&[101], Some(100))]));
+    assert_eq!(first[0].event_id, 0);
+    assert_eq!(rx.next()[0].event_id, 1);
+    assert_eq!(get(&listener.stats().replays_complete), 1);
+}
+
+#[test]
+fn replay_that_never_answers_times_out_and_live_continues() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    // A ROUTER that accepts the connection but never answers.
+    let (_silent_router, replay_ep) = bind_free(&ctx, zmq::ROUTER);
+    let (sink, rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(2, 0), ep, 4)
+        .with_replay_endpoint(replay_ep)
+        .with_replay_timeout(Duration::from_millis(300));
+    let listener = KvEventListener::start(config, sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
+    publish(&publisher, 5, &batch(vec![stored(&[2], Some(1))]));
+    let ops = rx.next();
+    assert_eq!(ops[0].event_id, 5);
+    let stats = listener.stats();
+    assert_eq!(get(&stats.replays_timed_out), 1);
+    assert_eq!(get(&stats.batches_lost), 4);
+    // The sink sees a batch just before the watermark moves past it.
+    wait_until(|| listener.watermark() == Some(5));
+    assert_eq!(listener.state(), ListenerState::Running);
+}
+
+#[test]
+fn publisher_restart_at_the_same_address() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let listener = KvEventListener::start(
+        ListenerConfig::new(WorkerKey::new(3, 0), ep.clone(), 4),
+        sink,
+    )
+    .unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
+    publish(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
+    assert_eq!(rx.next()[0].event_id, 1);
+    drop(publisher);
+
+    // The engine restarts on the same port and counts from 0 again.
+    let restarted = ctx.socket(zmq::PUB).unwrap();
+    restarted.set_linger(0).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while restarted.bind(&ep).is_err() {
+        assert!(Instant::now() < deadline, "port never became free");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Seq 0 of the new process is stale for the kept watermark (contract: counted, dropped).
+    let stale_before = get(&listener.stats().stale_batches);
+    wait_until(|| {
+        publish(&restarted, 0, &batch(vec![stored(&[50], None)]));
+        get(&listener.stats().stale_batches) > stale_before
+    });
+    // Once it passes the old watermark, the SUB (reconnected by ZMQ) applies it again.
+    let ops = rx.publish_until_delivered(&restarted, 2, &batch(vec![stored(&[51], None)]));
+    assert_eq!(ops[0].event_id, 2);
+    assert_eq!(hashes_of(&ops[0]), vec![51]);
+}
+
+#[test]
+fn malformed_messages_are_counted_and_never_stop_the_listener() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let listener =
+        KvEventListener::start(ListenerConfig::new(WorkerKey::new(4, 0), ep, 4), sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+
+    publisher
+        .send_multipart([&b""[..], &1u64.to_be_bytes()[..]], 0)
+        .unwrap();
+    publisher
+        .send_multipart([&b""[..], &[1u8, 2][..], b"x"], 0)
+        .unwrap();
+    publisher
+        .send_multipart(
+            [
+                &b""[..],
+                &1u64.to_be_bytes()[..],
+                b"\x93\x01\xdd\xff\xff\xff\xff",
+            ],
+            0,
+        )
+        .unwrap();
+    publisher
+        .send_multipart(
+            [
+                &b""[..],
+                &1u64.to_be_bytes()[..],
+                &batch(vec![Value::from(1)])[..],
+            ],
+            0,
+        )
+        .unwrap();
+    let many: Vec<&[u8]> = vec![b""; 50];
+    publisher.send_multipart(many, 0).unwrap();
+    // The failed seq 1 did not advance the watermark: a good seq 1 is applied.
+    publish(&publisher, 1, &batch(vec![stored(&[7], None)]));
+    assert_eq!(rx.next()[0].event_id, 1);
+    let stats = listener.stats();
+    assert_eq!(stats.dropped(DropReason::WrongFrameCount), 2);
+    assert_eq!(stats.dropped(DropReason::BadSeqFrame), 1);
+    assert_eq!(stats.dropped(DropReason::MalformedMsgpack), 1);
+    assert_eq!(stats.dropped(DropReason::SchemaMismatch), 1);
+    assert_eq!(listener.state(), ListenerState::Running);
+}
+
+#[test]
+fn ready_gate_holds_messages_until_open_and_drop_stops() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let mut config = ListenerConfig::new(WorkerKey::new(5, 0), ep, 4);
+    config.start_open = false;
+    let listener = KvEventListener::start(config, sink).unwrap();
+    // Give the SUB time to connect, publish, and observe nothing is delivered while closed.
+    std::thread::sleep(Duration::from_millis(300));
+    publish(&publisher, 0, &batch(vec![cleared()]));
+    rx.assert_quiet();
+    listener.open();
+    let ops = rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    assert_eq!(ops[0].kind, KvOperationKind::Cleared);
+    drop(listener);
+}
+
+#[test]
+fn invalid_config_is_rejected_before_connecting() {
+    let (sink, _rx) = Collector::new();
+    let bad = ListenerConfig::new(WorkerKey::new(1, 0), "udp://127.0.0.1:1", 4);
+    assert!(matches!(
+        KvEventListener::start(bad, Arc::clone(&sink)),
+        Err(kv_events::ListenerError::Endpoint(_))
+    ));
+    let zero = ListenerConfig::new(WorkerKey::new(1, 0), "tcp://127.0.0.1:1", 0);
+    assert!(matches!(
+        KvEventListener::start(zero, sink),
+        Err(kv_events::ListenerError::ZeroBlockSize)
+    ));
+}

@@ -1,0 +1,2101 @@
+//! `SelectionCore`: the catalog, the partitions and every selection / reservation operation.
+//!
+//! Locking: the catalog (`State`) is a `RwLock` read by every selection for a few
+//! microseconds and written only by catalog mutations, which are additionally serialized by
+//! `catalog_mutation` so that listener reconciliation never races itself. Each partition has
+//! its own index lock (readers: selections; writer: event ingestion, one event at a time)
+//! and its own ledger mutex. Hashing happens before any lock is taken.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kv_index::{IndexConfig, KvIndex, TierHits, TieredMatches};
+use kv_types::{
+    BlockHash, HashOptions, KvOperation, SequenceHash, TrackingHasher, TrackingScope, WorkerId,
+    WorkerKey,
+};
+use load_accounting::{BookRequest, Ledger, LedgerConfig, LedgerError, ReservationId, SlotPolicy};
+use parking_lot::{Mutex, RwLock};
+use rustc_hash::FxHashMap;
+use selection_policy::{
+    CacheInputs, Candidate, Capacity, LoadInputs, PickRng, Policy, PolicyError, PoolLabel,
+    RouterConfig, RouterConfigOverride, Scratch, Selection, SelectionContext, cached_tokens,
+    preferred_taint_multiplier,
+};
+
+use crate::catalog::{
+    Lifecycle, MAX_DATA_PARALLEL_SIZE, PartitionKey, WorkerCatalogRecord, WorkerPatch,
+    WorkerRequest,
+};
+use crate::error::SelectionError;
+use crate::ingress::{Ingress, IngressSink};
+use crate::pending::{PendingCache, PendingKey, PendingSelection, SelectionCacheConfig};
+use crate::request::{
+    LoadRow, ModelLoads, OverlapRow, OverlapScoresResponse, OverlapSummary, PromptInput,
+    PromptQuery, ReadyResponse, ReservationRequest, ReservationResponse, SelectRequest,
+    SelectResponse,
+};
+use crate::session::{BindingUpdate, Hold, MAX_SESSION_ID_BYTES, SessionTable, SessionTarget};
+
+/// Builds the worker-selection policy of a partition; called once per partition.
+pub type PolicyFactory = Arc<dyn Fn(&RouterConfig, &PartitionKey) -> Policy + Send + Sync>;
+
+/// Everything the core needs to know, with the spec's defaults.
+#[derive(Clone, Debug)]
+pub struct CoreConfig {
+    pub router: RouterConfig,
+    pub selection_cache: SelectionCacheConfig,
+    pub tracking: TrackingHasher,
+    /// Absolute booking age after which a reservation is reclaimed.
+    pub active_request_expiry: Duration,
+    /// Upper bound on live reservations across the process (`None` = unbounded).
+    pub max_active_reservations: Option<usize>,
+    /// How long a gap replay may wait for the engine.
+    pub replay_timeout: Duration,
+    /// Seed of the pickers' random source (`None` = from the clock).
+    pub rng_seed: Option<u64>,
+    /// Enables per-partition session-affinity tables (hard mode) with this idle TTL.
+    pub session_affinity_ttl: Option<Duration>,
+    /// This replica's id as a session-binding writer (0 without replica sync).
+    pub replica_id: u64,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        Self {
+            router: RouterConfig::default(),
+            selection_cache: SelectionCacheConfig::default(),
+            tracking: TrackingHasher::Public,
+            active_request_expiry: Duration::from_secs(300),
+            max_active_reservations: None,
+            replay_timeout: Duration::from_secs(5),
+            rng_seed: None,
+            session_affinity_ttl: None,
+            replica_id: 0,
+        }
+    }
+}
+
+/// Scratch buffers of one selection, pooled so the hot path does not allocate.
+#[derive(Debug, Default)]
+struct SelectScratch {
+    blocks: Vec<BlockHash>,
+    tracking: Vec<SequenceHash>,
+    tiered: TieredMatches,
+    hits: FxHashMap<WorkerKey, TierHits>,
+    candidates: Vec<Candidate>,
+    policy: Scratch,
+}
+
+/// A worker as the partition's scheduler sees it.
+#[derive(Clone, Debug)]
+struct WorkerEntry {
+    record: WorkerRequest,
+}
+
+pub(crate) struct Partition {
+    pub(crate) key: PartitionKey,
+    pub(crate) block_size: u32,
+    pub(crate) is_eagle: bool,
+    pub(crate) index: RwLock<KvIndex>,
+    ledger: Mutex<Ledger>,
+    policy: Policy,
+    /// Schedulable workers by id, replaced wholesale on every catalog commit.
+    workers: RwLock<Arc<BTreeMap<u64, WorkerEntry>>>,
+    scratch: Mutex<Vec<SelectScratch>>,
+    rng: Mutex<PickRng>,
+    sessions: Option<SessionTable>,
+}
+
+impl Partition {
+    pub(crate) fn ledger(&self) -> &Mutex<Ledger> {
+        &self.ledger
+    }
+
+    pub(crate) fn sessions(&self) -> Option<&SessionTable> {
+        self.sessions.as_ref()
+    }
+}
+
+impl std::fmt::Debug for Partition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Partition")
+            .field("key", &self.key)
+            .field("block_size", &self.block_size)
+            .finish()
+    }
+}
+
+#[derive(Debug)]
+enum RowState {
+    /// The id is claimed while a booking is in flight.
+    Claimed,
+    Booked,
+}
+
+#[derive(Debug)]
+struct ReservationRow {
+    partition: Arc<Partition>,
+    state: RowState,
+    /// The session lease this booking holds, released with the row.
+    session: Option<String>,
+}
+
+impl ReservationRow {
+    fn release_session(&self, now: Instant) {
+        if let (Some(sid), Some(table)) = (&self.session, &self.partition.sessions) {
+            table.release(sid, now);
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    records: BTreeMap<u64, WorkerCatalogRecord>,
+    partitions: BTreeMap<PartitionKey, Arc<Partition>>,
+}
+
+/// Drop counters and totals exported on `/metrics`.
+#[derive(Debug, Default)]
+pub struct CoreMetrics {
+    pub selections: AtomicU64,
+    pub bookings: AtomicU64,
+    pub selection_errors: AtomicU64,
+    pub pending_evictions: AtomicU64,
+    pub expired_reservations: AtomicU64,
+    pub reservations_rejected_full: AtomicU64,
+}
+
+/// The whole selection service state, usable without any task or socket.
+pub struct SelectionCore {
+    config: CoreConfig,
+    policy_factory: Option<PolicyFactory>,
+    state: RwLock<State>,
+    catalog_mutation: Mutex<()>,
+    reservations: Mutex<HashMap<String, ReservationRow>>,
+    pending: Mutex<PendingCache>,
+    ingress: Ingress,
+    shut_down: AtomicBool,
+    metrics: CoreMetrics,
+    rng_seed: AtomicU64,
+    replica: RwLock<Option<Arc<replica_sync::ReplicaMesh>>>,
+    replica_stats: crate::replica::ReplicaApplyStats,
+}
+
+impl std::fmt::Debug for SelectionCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SelectionCore")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn no_schedulable() -> SelectionError {
+    SelectionError::not_ready("no schedulable workers are available")
+}
+
+impl SelectionCore {
+    /// A local-only core: no replica mesh, no recovery; the index is ready immediately.
+    pub fn try_new_local(
+        config: CoreConfig,
+        policy_factory: Option<PolicyFactory>,
+    ) -> Result<Arc<Self>, crate::BuildError> {
+        config
+            .router
+            .validate()
+            .map_err(|e| crate::BuildError::RouterConfig(e.to_string()))?;
+        index_config(&config.router)
+            .validate()
+            .map_err(|e| crate::BuildError::RouterConfig(e.to_string()))?;
+        let seed = config.rng_seed.unwrap_or_else(clock_seed);
+        let replay_timeout = config.replay_timeout;
+        Ok(Arc::new_cyclic(|weak: &std::sync::Weak<SelectionCore>| {
+            let sink: Arc<dyn IngressSink> = Arc::new(weak.clone());
+            Self {
+                pending: Mutex::new(PendingCache::new(config.selection_cache)),
+                config,
+                policy_factory,
+                state: RwLock::default(),
+                catalog_mutation: Mutex::new(()),
+                reservations: Mutex::default(),
+                ingress: Ingress::new(sink, replay_timeout),
+                shut_down: AtomicBool::new(false),
+                metrics: CoreMetrics::default(),
+                rng_seed: AtomicU64::new(seed),
+                replica: RwLock::new(None),
+                replica_stats: crate::replica::ReplicaApplyStats::default(),
+            }
+        }))
+    }
+
+    pub fn config(&self) -> &CoreConfig {
+        &self.config
+    }
+
+    pub fn metrics(&self) -> &CoreMetrics {
+        &self.metrics
+    }
+
+    /// Statistics of every running KV-event listener, by worker key.
+    pub fn listener_stats(&self) -> Vec<(WorkerKey, Arc<kv_events::ListenerStats>)> {
+        self.ingress.stats()
+    }
+
+    /// Seq of the last batch applied by a rank's listener.
+    pub fn listener_watermark(&self, key: WorkerKey) -> Option<u64> {
+        self.ingress.watermark(key)
+    }
+
+    /// Stops accepting selections and new bookings, and stops every KV listener.
+    pub fn shutdown(&self) {
+        if !self.shut_down.swap(true, Ordering::SeqCst) {
+            self.ingress.stop_all();
+            if let Some(mesh) = self.replica.write().take() {
+                mesh.shutdown();
+            }
+        }
+    }
+
+    pub fn is_shut_down(&self) -> bool {
+        self.shut_down.load(Ordering::SeqCst)
+    }
+
+    fn check_running(&self) -> Result<(), SelectionError> {
+        if self.is_shut_down() {
+            Err(SelectionError::shutting_down())
+        } else {
+            Ok(())
+        }
+    }
+
+    fn queueing_enabled(&self) -> bool {
+        false
+    }
+
+    // ---------------------------------------------------------------- replica sync
+
+    pub(crate) fn set_replica_mesh(&self, mesh: Arc<replica_sync::ReplicaMesh>) {
+        *self.replica.write() = Some(mesh);
+    }
+
+    fn mesh(&self) -> Option<Arc<replica_sync::ReplicaMesh>> {
+        self.replica.read().clone()
+    }
+
+    fn publish_replica(&self, event: replica_sync::ReplicaEvent) {
+        crate::replica::publish(self.mesh().as_ref(), event);
+    }
+
+    /// Counters of peer events, applied and dropped by reason.
+    pub fn replica_stats(&self) -> &crate::replica::ReplicaApplyStats {
+        &self.replica_stats
+    }
+
+    /// Mesh counters (sent, dropped, delivered...), when replica sync is on.
+    pub fn replica_mesh_stats(&self) -> Option<replica_sync::MeshStatsSnapshot> {
+        self.mesh().map(|m| m.stats().snapshot())
+    }
+
+    /// The replica-sync port this process publishes on, if enabled.
+    pub fn replica_sync_enabled(&self) -> bool {
+        self.replica.read().is_some()
+    }
+
+    /// `POST /replica_sync/register_peer`: `Ok(true)` when newly added.
+    pub fn register_replica_peer(&self, endpoint: &str) -> Result<bool, replica_sync::PeerError> {
+        match self.mesh() {
+            Some(m) => m.register_peer(endpoint),
+            None => Err(replica_sync::PeerError::Disabled),
+        }
+    }
+
+    /// `POST /replica_sync/deregister_peer`.
+    pub fn deregister_replica_peer(&self, endpoint: &str) -> Result<(), replica_sync::PeerError> {
+        match self.mesh() {
+            Some(m) => m.deregister_peer(endpoint),
+            None => Err(replica_sync::PeerError::Disabled),
+        }
+    }
+
+    /// `GET /replica_sync/peers`, sorted; empty when disabled.
+    pub fn replica_peers(&self) -> Vec<String> {
+        self.mesh().map(|m| m.peers()).unwrap_or_default()
+    }
+
+    pub(crate) fn rank_schedulable(&self, p: &Partition, key: WorkerKey) -> bool {
+        p.workers
+            .read()
+            .get(&key.worker_id.0)
+            .is_some_and(|w| w.record.has_rank(key.dp_rank.0))
+    }
+
+    pub(crate) fn session_target_known(&self, p: &Partition, target: SessionTarget) -> bool {
+        self.target_schedulable(p, target)
+    }
+
+    pub(crate) fn has_booked_row(&self, id: &str) -> bool {
+        matches!(
+            self.reservations.lock().get(id),
+            Some(ReservationRow {
+                state: RowState::Booked,
+                ..
+            })
+        )
+    }
+
+    /// A mirrored booking occupies its id (replacing an in-flight local claim of the same
+    /// partition, whose booking then fails with 409).
+    pub(crate) fn install_mirrored_row(&self, id: &str, p: &Arc<Partition>) {
+        let mut rows = self.reservations.lock();
+        let replace = rows.get(id).is_none_or(|r| Arc::ptr_eq(&r.partition, p));
+        if replace {
+            rows.insert(
+                id.to_owned(),
+                ReservationRow {
+                    partition: Arc::clone(p),
+                    state: RowState::Booked,
+                    session: None,
+                },
+            );
+        }
+    }
+
+    pub(crate) fn drop_row_silently(&self, id: &str, now: Instant) {
+        let removed = self.reservations.lock().remove(id);
+        if let Some(row) = removed {
+            row.release_session(now);
+        }
+    }
+
+    // ---------------------------------------------------------------- catalog
+
+    /// `POST /workers`.
+    pub fn upsert_worker(
+        &self,
+        record: WorkerRequest,
+    ) -> Result<WorkerCatalogRecord, SelectionError> {
+        self.upsert_workers(vec![record])
+            .pop()
+            .unwrap_or_else(|| Err(SelectionError::internal("empty batch")))
+    }
+
+    /// Batch upsert: one lock, per-record results in order.
+    pub fn upsert_workers(
+        &self,
+        records: Vec<WorkerRequest>,
+    ) -> Vec<Result<WorkerCatalogRecord, SelectionError>> {
+        let _guard = self.catalog_mutation.lock();
+        records.into_iter().map(|r| self.upsert_locked(r)).collect()
+    }
+
+    fn upsert_locked(&self, record: WorkerRequest) -> Result<WorkerCatalogRecord, SelectionError> {
+        self.check_running()?;
+        if let Some(n) = record
+            .data_parallel_size
+            .filter(|&n| n > MAX_DATA_PARALLEL_SIZE)
+        {
+            return Err(SelectionError::bad_request(format!(
+                "data_parallel_size {n} exceeds the maximum {MAX_DATA_PARALLEL_SIZE}"
+            )));
+        }
+        let use_kv_events = self.config.router.use_kv_events;
+        let mut reasons = record.missing_metadata(self.queueing_enabled(), use_kv_events);
+        let mut partition = None;
+        if reasons.is_empty() {
+            match self.ensure_partition_for(&record) {
+                Ok(p) => partition = Some(p),
+                Err(e) => reasons.push(format!("reconciliation failed: {e}")),
+            }
+        }
+        let prev = {
+            let state = self.state.read();
+            state
+                .records
+                .get(&record.worker_id)
+                .filter(|r| r.is_schedulable())
+                .cloned()
+        };
+        let moved = prev
+            .as_ref()
+            .is_some_and(|p| p.worker.partition() != record.partition() || !reasons.is_empty());
+        if let Some(prev) = prev.as_ref().filter(|_| moved) {
+            self.detach(&prev.worker);
+        }
+        let prev_same = prev.filter(|_| !moved);
+        if let (true, Some(_)) = (reasons.is_empty() && use_kv_events, &partition) {
+            let partition = partition.as_ref().map(Arc::clone);
+            if let Some(p) = partition
+                && let Err(e) =
+                    self.ingress
+                        .reconcile(&p, prev_same.as_ref().map(|r| &r.worker), &record)
+            {
+                self.ingress.detach_worker(WorkerId(record.worker_id));
+                reasons.push(format!("reconciliation failed: {e}"));
+            }
+        }
+        let lifecycle = if reasons.is_empty() {
+            Lifecycle::Schedulable
+        } else {
+            Lifecycle::Incomplete
+        };
+        let out = WorkerCatalogRecord {
+            worker: record,
+            lifecycle,
+            not_schedulable_reasons: reasons,
+            warnings: Vec::new(),
+        };
+        let old = {
+            let mut state = self.state.write();
+            state.records.insert(out.worker.worker_id, out.clone())
+        };
+        if old
+            .as_ref()
+            .is_none_or(|o| o.lifecycle != out.lifecycle || o.worker != out.worker)
+        {
+            tracing::info!(
+                worker_id = out.worker.worker_id,
+                model_name = %out.worker.model_name,
+                routing_group = %out.worker.routing_group,
+                lifecycle = out.lifecycle.as_str(),
+                reasons = ?out.not_schedulable_reasons,
+                "worker registered"
+            );
+        }
+        let old_partition = old.map(|o| o.worker.partition());
+        if let Some(old) = old_partition.filter(|k| *k != out.worker.partition()) {
+            self.publish(&old);
+        }
+        self.publish(&out.worker.partition());
+        Ok(out)
+    }
+
+    /// `PATCH /workers/{id}`.
+    pub fn patch_worker(
+        &self,
+        worker_id: u64,
+        patch: WorkerPatch,
+    ) -> Result<WorkerCatalogRecord, SelectionError> {
+        let _guard = self.catalog_mutation.lock();
+        self.check_running()?;
+        let mut merged = match self.state.read().records.get(&worker_id) {
+            Some(r) => r.worker.clone(),
+            None => {
+                return Err(SelectionError::not_found(format!(
+                    "worker {worker_id} not found"
+                )));
+            }
+        };
+        patch.apply_to(&mut merged);
+        self.upsert_locked(merged)
+    }
+
+    /// `DELETE /workers/{id}`: works after shutdown.
+    pub fn delete_worker(&self, worker_id: u64) -> Result<WorkerCatalogRecord, SelectionError> {
+        let _guard = self.catalog_mutation.lock();
+        let removed = self.state.write().records.remove(&worker_id);
+        let Some(mut record) = removed else {
+            return Err(SelectionError::not_found(format!(
+                "worker {worker_id} not found"
+            )));
+        };
+        self.publish(&record.worker.partition());
+        self.detach(&record.worker);
+        record.lifecycle = Lifecycle::Unschedulable;
+        tracing::info!(worker_id, lifecycle = "unschedulable", "worker removed");
+        record.not_schedulable_reasons.clear();
+        Ok(record)
+    }
+
+    /// `GET /workers`, sorted by `(model_name, routing_group, worker_id)`.
+    pub fn list_workers(
+        &self,
+        model_name: Option<&str>,
+        routing_group: Option<&str>,
+    ) -> Vec<WorkerCatalogRecord> {
+        let state = self.state.read();
+        let mut out: Vec<WorkerCatalogRecord> = state
+            .records
+            .values()
+            .filter(|r| model_name.is_none_or(|m| r.worker.model_name == m))
+            .filter(|r| routing_group.is_none_or(|g| r.worker.routing_group == g))
+            .cloned()
+            .collect();
+        drop(state);
+        out.sort_by(|a, b| {
+            (
+                &a.worker.model_name,
+                &a.worker.routing_group,
+                a.worker.worker_id,
+            )
+                .cmp(&(
+                    &b.worker.model_name,
+                    &b.worker.routing_group,
+                    b.worker.worker_id,
+                ))
+        });
+        for r in &mut out {
+            r.warnings = self.ingress.warnings(WorkerId(r.worker.worker_id));
+        }
+        out
+    }
+
+    /// `GET /ready`.
+    pub fn ready(&self) -> ReadyResponse {
+        let workers = self.list_workers(None, None);
+        let schedulable_workers = workers.iter().filter(|r| r.is_schedulable()).count();
+        ReadyResponse {
+            ready: !self.is_shut_down() && schedulable_workers > 0,
+            schedulable_workers,
+            workers,
+        }
+    }
+
+    /// Pre-creates a partition (embedding hosts).
+    pub fn ensure_partition(
+        &self,
+        key: PartitionKey,
+        block_size: u32,
+        is_eagle: bool,
+    ) -> Result<(), SelectionError> {
+        if block_size == 0 {
+            return Err(SelectionError::bad_request(
+                "block_size must be greater than 0",
+            ));
+        }
+        self.partition_or_create(key, block_size, is_eagle)
+            .map(|_| ())
+            .map_err(SelectionError::bad_request)
+    }
+
+    fn ensure_partition_for(&self, r: &WorkerRequest) -> Result<Arc<Partition>, String> {
+        self.partition_or_create(
+            r.partition(),
+            r.block_size.unwrap_or(0),
+            r.is_eagle.unwrap_or(false),
+        )
+    }
+
+    fn partition_or_create(
+        &self,
+        key: PartitionKey,
+        block_size: u32,
+        is_eagle: bool,
+    ) -> Result<Arc<Partition>, String> {
+        if let Some(p) = self.state.read().partitions.get(&key) {
+            return check_partition(p, block_size, is_eagle).map(|()| Arc::clone(p));
+        }
+        let mut state = self.state.write();
+        if let Some(p) = state.partitions.get(&key) {
+            return check_partition(p, block_size, is_eagle).map(|()| Arc::clone(p));
+        }
+        let router = &self.config.router;
+        let policy = match &self.policy_factory {
+            Some(f) => f(router, &key),
+            None => Policy::default_policy(router, PoolLabel::default()),
+        };
+        let seed = self
+            .rng_seed
+            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+        let mut icfg = index_config(router);
+        icfg.block_size = block_size;
+        let p = Arc::new(Partition {
+            key: key.clone(),
+            block_size,
+            is_eagle,
+            index: RwLock::new(KvIndex::new(&icfg, Instant::now())),
+            ledger: Mutex::new(Ledger::new(LedgerConfig {
+                expiry: self.config.active_request_expiry,
+            })),
+            policy,
+            workers: RwLock::new(Arc::new(BTreeMap::new())),
+            scratch: Mutex::new(Vec::new()),
+            rng: Mutex::new(PickRng::seeded(seed)),
+            sessions: self
+                .config
+                .session_affinity_ttl
+                .map(|ttl| SessionTable::new(ttl, self.config.replica_id, clock_seed())),
+        });
+        state.partitions.insert(key, Arc::clone(&p));
+        Ok(p)
+    }
+
+    /// Republishes the schedulable worker map of a partition and reconciles its ledger
+    /// slots synchronously (so a booking right after registration never misses its rank).
+    fn publish(&self, key: &PartitionKey) {
+        let state = self.state.read();
+        let Some(p) = state.partitions.get(key).cloned() else {
+            return;
+        };
+        let map: BTreeMap<u64, WorkerEntry> = state
+            .records
+            .values()
+            .filter(|r| r.is_schedulable() && r.worker.partition() == *key)
+            .map(|r| {
+                (
+                    r.worker.worker_id,
+                    WorkerEntry {
+                        record: r.worker.clone(),
+                    },
+                )
+            })
+            .collect();
+        drop(state);
+        let mut ledger = p.ledger.lock();
+        let current: Vec<WorkerKey> = ledger.ranks().collect();
+        for rank in current {
+            let keep = map
+                .get(&rank.worker_id.0)
+                .is_some_and(|w| w.record.has_rank(rank.dp_rank.0));
+            if !keep {
+                ledger.remove_rank(rank);
+            }
+        }
+        for w in map.values() {
+            for rank in w.record.dp_ranks() {
+                ledger.register_rank(WorkerKey::new(w.record.worker_id, rank));
+            }
+        }
+        drop(ledger);
+        *p.workers.write() = Arc::new(map);
+    }
+
+    /// Stops a worker's listeners and drops what the index holds for it.
+    fn detach(&self, record: &WorkerRequest) {
+        self.ingress.detach_worker(WorkerId(record.worker_id));
+        if let Some(p) = self.partition(&record.partition()) {
+            p.index.write().remove_worker(WorkerId(record.worker_id));
+        }
+    }
+
+    pub(crate) fn partition(&self, key: &PartitionKey) -> Option<Arc<Partition>> {
+        self.state.read().partitions.get(key).cloned()
+    }
+
+    fn ready_partition(&self, key: &PartitionKey) -> Result<Arc<Partition>, SelectionError> {
+        let state = self.state.read();
+        let ready = state.partitions.get(key).filter(|_| {
+            state
+                .records
+                .values()
+                .any(|r| r.is_schedulable() && r.worker.partition() == *key)
+        });
+        match ready {
+            Some(p) => Ok(Arc::clone(p)),
+            None if state
+                .records
+                .values()
+                .any(WorkerCatalogRecord::is_schedulable) =>
+            {
+                Err(SelectionError::not_ready(format!(
+                    "no schedulable workers for {key}"
+                )))
+            }
+            None => Err(no_schedulable()),
+        }
+    }
+
+    // ---------------------------------------------------------------- selection
+
+    /// `POST /select`.
+    pub fn select(&self, req: SelectRequest) -> Result<SelectResponse, SelectionError> {
+        self.run_select(req, false)
+    }
+
+    /// `POST /select_and_reserve`.
+    pub fn select_and_reserve(
+        &self,
+        mut req: SelectRequest,
+    ) -> Result<SelectResponse, SelectionError> {
+        req.advisory = false;
+        self.run_select(req, true)
+    }
+
+    fn run_select(&self, req: SelectRequest, book: bool) -> Result<SelectResponse, SelectionError> {
+        let result = self.run_select_inner(req, book);
+        let counter = if result.is_ok() {
+            &self.metrics.selections
+        } else {
+            &self.metrics.selection_errors
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    fn run_select_inner(
+        &self,
+        mut req: SelectRequest,
+        book: bool,
+    ) -> Result<SelectResponse, SelectionError> {
+        self.check_running()?;
+        let partition = self.ready_partition(&req.partition)?;
+        let selection_id = match (&req.selection_id, book) {
+            (Some(id), _) => Some(id.clone()),
+            (None, true) => Some(new_uuid_v4(&self.rng_seed)),
+            (None, false) => None,
+        };
+        let claim = if book {
+            let id = selection_id.clone().unwrap_or_default();
+            Some(self.claim(&id, &partition)?)
+        } else {
+            None
+        };
+        let session_id = session_of(&req);
+        let mut session = SessionGuard::none();
+        if let (Some(table), Some(sid)) = (partition.sessions.as_ref(), session_id.as_deref()) {
+            check_session_id(sid)?;
+            let now = Instant::now();
+            if book {
+                session = self.hold_session(&partition, table, sid, now);
+                if let Some(target) = session.bound_target() {
+                    req.affinity_target = Some(affinity(target));
+                }
+            } else if let Some(target) = table.read(sid, now)
+                && self.target_schedulable(&partition, target)
+            {
+                req.affinity_target = Some(affinity(target));
+            }
+        }
+        let mut scratch = partition.scratch.lock().pop().unwrap_or_default();
+        let result = self.schedule(&partition, &req, &mut scratch);
+        let outcome = result.and_then(|(selection, isl, track, response_base)| {
+            let tracking = scratch.tracking.clone();
+            if let (Some(claim), Some(id)) = (claim.as_ref(), selection_id.as_ref()) {
+                self.book_claimed(
+                    claim,
+                    &partition,
+                    id,
+                    selection.worker,
+                    &tracking,
+                    isl,
+                    Some(selection.effective_prefill_tokens),
+                    track,
+                    req.expected_output_tokens,
+                    req.prompt.lora_name.clone(),
+                )?;
+                let binding = match session.commit(selection.worker) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = partition.ledger.lock().free(id);
+                        return Err(e);
+                    }
+                };
+                self.record_decision(&partition, selection.worker, &scratch.blocks);
+                claim.install_with_session(session.into_lease());
+                self.publish_booking(
+                    &partition,
+                    id,
+                    selection.worker,
+                    &tracking,
+                    track,
+                    Some(selection.effective_prefill_tokens),
+                    req.expected_output_tokens,
+                    req.prompt.lora_name.clone(),
+                    binding,
+                );
+            } else if let Some(id) = &selection_id {
+                let retained = if records_decisions(&partition.index.read()) {
+                    scratch.blocks.clone()
+                } else {
+                    Vec::new()
+                };
+                let value = PendingSelection {
+                    worker: selection.worker,
+                    tracking_hashes: tracking.clone(),
+                    isl,
+                    effective_prefill_tokens: selection.effective_prefill_tokens,
+                    expected_output_tokens: req.expected_output_tokens,
+                    track_prefill: track,
+                    lora_name: req.prompt.lora_name.clone(),
+                    block_hashes: retained,
+                    session_id: session_id.clone(),
+                };
+                let key = (
+                    req.partition.model_name.clone(),
+                    req.partition.routing_group.clone(),
+                    id.clone(),
+                );
+                let evicted = self.pending.lock().insert(key, value, Instant::now());
+                self.metrics
+                    .pending_evictions
+                    .fetch_add(evicted as u64, Ordering::Relaxed);
+            }
+            Ok(SelectResponse {
+                selection_id: selection_id.clone(),
+                sequence_hashes: book.then_some(tracking),
+                isl_tokens: book.then_some(isl),
+                track_prefill_tokens: book.then_some(track),
+                worker_load: (req.advisory && !book).then_some(selection.worker_load),
+                ..response_base
+            })
+        });
+        partition.scratch.lock().push(scratch);
+        outcome
+    }
+
+    /// Holds a session for a booking, dropping bindings to departed workers (§8.3 step 1).
+    fn hold_session<'p>(
+        &self,
+        partition: &'p Partition,
+        table: &'p SessionTable,
+        sid: &str,
+        now: Instant,
+    ) -> SessionGuard<'p> {
+        for _ in 0..32 {
+            match table.hold(sid, now) {
+                Hold::Init => return SessionGuard::init(table, sid),
+                Hold::Full => return SessionGuard::none(),
+                Hold::Bound(target) if self.target_schedulable(partition, target) => {
+                    return SessionGuard::bound(table, sid, target);
+                }
+                Hold::Bound(target) => {
+                    table.release(sid, now);
+                    table.invalidate(sid, target);
+                }
+            }
+        }
+        SessionGuard::none()
+    }
+
+    fn target_schedulable(&self, partition: &Partition, target: SessionTarget) -> bool {
+        partition
+            .workers
+            .read()
+            .get(&target.worker_id)
+            .is_some_and(|w| target.dp_rank.is_none_or(|r| w.record.has_rank(r)))
+    }
+
+    /// Hashes, looks up, builds candidates and runs the policy.
+    fn schedule(
+        &self,
+        partition: &Arc<Partition>,
+        req: &SelectRequest,
+        scratch: &mut SelectScratch,
+    ) -> Result<(Selection, u64, bool, SelectResponse), SelectionError> {
+        let router = &self.config.router;
+        let over = &req.router_config_override;
+        let isl = self.normalize_prompt(partition, &req.prompt, over, true, scratch)?;
+        let track = router.track_prefill_tokens(over);
+        if let Some(pin) = req.pinned_worker
+            && let Some(allowed) = &req.allowed_worker_ids
+            && !allowed.contains(&pin.worker_id.0)
+        {
+            return Err(SelectionError::bad_request(format!(
+                "pinned worker {} is not in allowed worker set",
+                pin.worker_id
+            )));
+        }
+        let workers = Arc::clone(&partition.workers.read());
+        partition
+            .index
+            .read()
+            .find_tiered(&scratch.blocks, &mut scratch.tiered);
+        scratch.hits.clear();
+        for h in scratch.tiered.hits() {
+            scratch.hits.insert(h.worker, *h);
+        }
+        let (w_host, w_disk) = (router.host_cache_hit_weight, router.disk_cache_hit_weight);
+        scratch.candidates.clear();
+        {
+            let ledger = partition.ledger.lock();
+            for w in workers.values() {
+                let r = &w.record;
+                if req
+                    .allowed_worker_ids
+                    .as_ref()
+                    .is_some_and(|a| !a.contains(&r.worker_id))
+                {
+                    continue;
+                }
+                if !req.required_taints.iter().all(|t| r.taints.contains(t)) {
+                    continue;
+                }
+                let taint_weight: f32 = req
+                    .preferred_taints
+                    .iter()
+                    .filter(|(t, _)| r.taints.contains(t))
+                    .map(|(_, w)| *w)
+                    .sum();
+                for rank in r.dp_ranks() {
+                    let key = WorkerKey::new(r.worker_id, rank);
+                    let hits = scratch.hits.get(&key).copied().unwrap_or_default();
+                    let cache = CacheInputs {
+                        device_blocks: hits.device,
+                        host_blocks: hits.host_pinned,
+                        disk_blocks: hits.disk_extension(),
+                        shared_beyond_blocks: 0,
+                    };
+                    let cached = cached_tokens(
+                        cache.effective_overlap_blocks(w_host, w_disk),
+                        partition.block_size,
+                    );
+                    let added = if track { isl - isl.min(cached) } else { 0 };
+                    let load = ledger.potential_load(key, &scratch.tracking, added);
+                    scratch.candidates.push(Candidate {
+                        worker: key,
+                        cache,
+                        load: Some(LoadInputs {
+                            active_prefill_tokens: load.active_prefill_tokens,
+                            potential_decode_blocks: load.potential_decode_blocks,
+                            active_requests: load.active_requests,
+                        }),
+                        capacity: Capacity {
+                            max_num_batched_tokens: r.max_num_batched_tokens,
+                            total_kv_blocks: r.total_kv_blocks,
+                        },
+                        preferred_taint_multiplier: preferred_taint_multiplier(taint_weight),
+                    });
+                }
+            }
+        }
+        let session = req.session_context.as_ref();
+        let mut ctx =
+            SelectionContext::new(isl, partition.block_size, scratch.tracking.len() as u64);
+        ctx.track_prefill_tokens = track;
+        ctx.overrides = *over;
+        ctx.session = session;
+        ctx.policy_class = req.policy_class.as_deref();
+        ctx.pinned = req.pinned_worker;
+        ctx.affinity = if req.pinned_worker.is_some() {
+            None
+        } else {
+            req.affinity_target
+        };
+        ctx.expected_output_tokens = req.expected_output_tokens;
+        ctx.priority_jump = req.priority_jump;
+        ctx.strict_priority = req.strict_priority;
+        let selection = {
+            let mut rng = partition.rng.lock();
+            partition
+                .policy
+                .select(&ctx, &scratch.candidates, &mut scratch.policy, &mut rng)
+        }
+        .map_err(policy_error)?;
+        let chosen = workers.get(&selection.worker.worker_id.0).ok_or_else(|| {
+            SelectionError::internal(format!(
+                "selected worker {} is no longer schedulable",
+                selection.worker.worker_id
+            ))
+        })?;
+        let overlap = overlap_summary(&chosen.record, &scratch.hits, partition.block_size);
+        let response = SelectResponse {
+            selection_id: None,
+            sequence_hashes: None,
+            isl_tokens: None,
+            track_prefill_tokens: None,
+            model_name: partition.key.model_name.clone(),
+            routing_group: partition.key.routing_group.clone(),
+            worker_id: selection.worker.worker_id.0,
+            dp_rank: selection.worker.dp_rank.0,
+            endpoint: chosen.record.endpoint.clone().unwrap_or_default(),
+            block_size: partition.block_size,
+            overlap,
+            effective_prefill_tokens: selection.effective_prefill_tokens,
+            potential_decode_blocks: selection.potential_decode_blocks,
+            decode_busy: selection.decode_busy,
+            worker_load: None,
+            kv_hint: None,
+        };
+        Ok((selection, isl, track, response))
+    }
+
+    /// Fills `scratch.blocks` / `scratch.tracking` and returns the normalized ISL.
+    fn normalize_prompt(
+        &self,
+        partition: &Partition,
+        prompt: &PromptInput,
+        over: &RouterConfigOverride,
+        selection_rules: bool,
+        scratch: &mut SelectScratch,
+    ) -> Result<u64, SelectionError> {
+        let (tokens, mm): (Option<&[u32]>, &[Option<kv_types::BlockMmInfo>]) =
+            match (&prompt.mm_routing_info, &prompt.token_ids) {
+                (Some(m), _) if !m.routing_token_ids.is_empty() => {
+                    (Some(&m.routing_token_ids), &m.block_mm_infos)
+                }
+                (_, Some(t)) => (Some(t), &prompt.block_mm_infos),
+                _ => (None, &[]),
+            };
+        if let Some(tokens) = tokens {
+            let is_eagle = prompt.is_eagle.unwrap_or(partition.is_eagle);
+            let opts = HashOptions {
+                lora_name: prompt.lora_name.as_deref(),
+                cache_salt: prompt.cache_salt.as_deref(),
+                is_eagle,
+                block_mm_infos: mm,
+            };
+            kv_types::block_hashes_into(tokens, partition.block_size, &opts, &mut scratch.blocks);
+            if self.config.router.assume_kv_reuse(over) {
+                let scope = TrackingScope {
+                    model_name: &partition.key.model_name,
+                    routing_group: &partition.key.routing_group,
+                    block_size: partition.block_size,
+                    cache_salt: prompt.cache_salt.as_deref(),
+                    lora_name: prompt.lora_name.as_deref(),
+                    is_eagle,
+                };
+                self.config.tracking.tracking_hashes_into(
+                    &scope,
+                    tokens,
+                    mm,
+                    &scratch.blocks,
+                    &mut scratch.tracking,
+                );
+            } else {
+                scratch.tracking.clear();
+                let mut rng =
+                    PickRng::seeded(self.rng_seed.fetch_add(1, Ordering::Relaxed) ^ clock_seed());
+                scratch
+                    .tracking
+                    .extend((0..scratch.blocks.len()).map(|_| SequenceHash(rng.next_u64())));
+            }
+            return Ok(tokens.len() as u64);
+        }
+        if selection_rules {
+            let blocks = prompt.block_hashes.as_ref().ok_or_else(|| {
+                SelectionError::bad_request("block_hashes is required without token_ids")
+            })?;
+            let seqs = prompt.sequence_hashes.as_ref().ok_or_else(|| {
+                SelectionError::bad_request("sequence_hashes is required without token_ids")
+            })?;
+            let isl = prompt.isl_tokens.ok_or_else(|| {
+                SelectionError::bad_request("isl_tokens is required without token_ids")
+            })?;
+            check_hash_only(blocks, seqs, isl)?;
+            scratch.blocks.clear();
+            scratch.blocks.extend(blocks.iter().map(|&h| BlockHash(h)));
+            scratch.tracking.clear();
+            scratch
+                .tracking
+                .extend(seqs.iter().map(|&h| SequenceHash(h)));
+            Ok(isl)
+        } else {
+            let seqs = prompt.sequence_hashes.as_ref().ok_or_else(|| {
+                SelectionError::bad_request("sequence_hashes is required without token_ids")
+            })?;
+            let isl = prompt.isl_tokens.ok_or_else(|| {
+                SelectionError::bad_request("isl_tokens is required without token_ids")
+            })?;
+            scratch.blocks.clear();
+            if let Some(blocks) = &prompt.block_hashes {
+                if records_decisions(&partition.index.read()) {
+                    check_hash_only(blocks, seqs, isl)?;
+                }
+                scratch.blocks.extend(blocks.iter().map(|&h| BlockHash(h)));
+            }
+            scratch.tracking.clear();
+            scratch
+                .tracking
+                .extend(seqs.iter().map(|&h| SequenceHash(h)));
+            Ok(isl)
+        }
+    }
+
+    fn record_decision(&self, partition: &Partition, worker: WorkerKey, blocks: &[BlockHash]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let mut index = partition.index.write();
+        if records_decisions(&index) {
+            index.record_decision(worker, blocks, Instant::now());
+        }
+    }
+
+    // ---------------------------------------------------------------- reservations
+
+    fn claim(&self, id: &str, partition: &Arc<Partition>) -> Result<Claim<'_>, SelectionError> {
+        let mut rows = self.reservations.lock();
+        if rows.contains_key(id) {
+            return Err(SelectionError::conflict(format!(
+                "selection {id} is already reserved or being reserved"
+            )));
+        }
+        if let Some(max) = self.config.max_active_reservations
+            && rows.len() >= max
+        {
+            self.metrics
+                .reservations_rejected_full
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(SelectionError::new(
+                crate::ErrorKind::ResourceExhausted,
+                429,
+                format!(
+                    "active reservation limit reached (current={}, limit={max})",
+                    rows.len()
+                ),
+            ));
+        }
+        rows.insert(
+            id.to_owned(),
+            ReservationRow {
+                partition: Arc::clone(partition),
+                state: RowState::Claimed,
+                session: None,
+            },
+        );
+        Ok(Claim {
+            core: self,
+            id: id.to_owned(),
+            installed: AtomicBool::new(false),
+        })
+    }
+
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one booking's inputs, passed through once"
+    )]
+    fn book_claimed(
+        &self,
+        _claim: &Claim<'_>,
+        partition: &Partition,
+        id: &str,
+        worker: WorkerKey,
+        tracking: &[SequenceHash],
+        isl: u64,
+        effective_prefill_tokens: Option<u64>,
+        track: bool,
+        expected_output_tokens: Option<u32>,
+        lora_name: Option<String>,
+    ) -> Result<(), SelectionError> {
+        self.book_on(
+            partition,
+            id,
+            worker,
+            tracking,
+            isl,
+            effective_prefill_tokens,
+            track,
+            expected_output_tokens,
+            lora_name,
+            SlotPolicy::CreateMissing,
+        )
+    }
+
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one booking's inputs, passed through once"
+    )]
+    fn book_on(
+        &self,
+        partition: &Partition,
+        id: &str,
+        worker: WorkerKey,
+        tracking: &[SequenceHash],
+        isl: u64,
+        effective_prefill_tokens: Option<u64>,
+        track: bool,
+        expected_output_tokens: Option<u32>,
+        lora_name: Option<String>,
+        slot: SlotPolicy,
+    ) -> Result<(), SelectionError> {
+        let req = BookRequest {
+            worker,
+            tracking_hashes: tracking,
+            isl,
+            effective_prefill_tokens,
+            track_prefill_tokens: track,
+            expected_output_tokens,
+            lora_name: lora_name.map(Arc::from),
+        };
+        let now = Instant::now();
+        let mut ledger = partition.ledger.lock();
+        let expired = ledger.expire(now);
+        let booked = ledger.book(ReservationId::new(id), &req, slot, now);
+        drop(ledger);
+        self.metrics
+            .expired_reservations
+            .fetch_add(expired.len() as u64, Ordering::Relaxed);
+        booked.map_err(ledger_error)?;
+        self.metrics.bookings.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Tells replica peers about a booking that landed (and the session binding it made).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one booking's inputs, passed through once"
+    )]
+    fn publish_booking(
+        &self,
+        partition: &Partition,
+        id: &str,
+        worker: WorkerKey,
+        tracking: &[SequenceHash],
+        track: bool,
+        prefill: Option<u64>,
+        expected_output_tokens: Option<u32>,
+        lora_name: Option<String>,
+        binding: Option<BindingUpdate>,
+    ) {
+        let Some(mesh) = self.mesh() else { return };
+        let kind = crate::replica::admission(tracking, track, prefill, expected_output_tokens);
+        crate::replica::publish(
+            Some(&mesh),
+            crate::replica::sequence_event(partition, id, worker, lora_name, kind),
+        );
+        if let Some(update) = binding
+            && mesh.session_affinity()
+        {
+            crate::replica::publish(
+                Some(&mesh),
+                crate::replica::binding_event(&partition.key, &update),
+            );
+        }
+    }
+
+    /// `POST /reservations`.
+    pub fn create_reservation(
+        &self,
+        req: ReservationRequest,
+    ) -> Result<ReservationResponse, SelectionError> {
+        self.check_running()?;
+        let key: PendingKey = (
+            req.partition.model_name.clone(),
+            req.partition.routing_group.clone(),
+            req.selection_id.clone(),
+        );
+        if req.worker_id.is_none() {
+            return self.replay_reservation(&req, &key);
+        }
+        self.pending.lock().discard(&key);
+        let partition = self.ready_partition(&req.partition)?;
+        let mut scratch = SelectScratch::default();
+        let isl = self.normalize_prompt(
+            &partition,
+            &req.prompt,
+            &req.router_config_override,
+            false,
+            &mut scratch,
+        )?;
+        if let Some(e) = req.effective_prefill_tokens.filter(|&e| e > isl) {
+            return Err(SelectionError::bad_request(format!(
+                "effective_prefill_tokens ({e}) must not exceed isl_tokens ({isl})"
+            )));
+        }
+        let worker_id = req.worker_id.unwrap_or_default();
+        let workers = Arc::clone(&partition.workers.read());
+        let Some(entry) = workers.get(&worker_id) else {
+            return Err(SelectionError::not_found(format!(
+                "schedulable worker {worker_id} not found for {}",
+                req.partition
+            )));
+        };
+        let worker = WorkerKey::new(worker_id, req.dp_rank.unwrap_or(0));
+        let track = req.track_prefill_tokens.unwrap_or_else(|| {
+            req.effective_prefill_tokens.is_some()
+                || self
+                    .config
+                    .router
+                    .track_prefill_tokens(&req.router_config_override)
+        });
+        let claim = self.claim(&req.selection_id, &partition)?;
+        self.book_on(
+            &partition,
+            &req.selection_id,
+            worker,
+            &scratch.tracking,
+            isl,
+            req.effective_prefill_tokens,
+            track,
+            req.expected_output_tokens,
+            req.prompt.lora_name.clone(),
+            SlotPolicy::RequireRegistered,
+        )?;
+        self.record_decision(&partition, worker, &scratch.blocks);
+        claim.install();
+        self.publish_booking(
+            &partition,
+            &req.selection_id,
+            worker,
+            &scratch.tracking,
+            track,
+            req.effective_prefill_tokens,
+            req.expected_output_tokens,
+            req.prompt.lora_name.clone(),
+            None,
+        );
+        Ok(ReservationResponse {
+            selection_id: req.selection_id.clone(),
+            model_name: partition.key.model_name.clone(),
+            routing_group: partition.key.routing_group.clone(),
+            worker_id,
+            dp_rank: worker.dp_rank.0,
+            endpoint: entry.record.endpoint.clone().unwrap_or_default(),
+        })
+    }
+
+    fn replay_reservation(
+        &self,
+        req: &ReservationRequest,
+        key: &PendingKey,
+    ) -> Result<ReservationResponse, SelectionError> {
+        let found = self.pending.lock().get(key, Instant::now());
+        let Some((cached, generation)) = found else {
+            return Err(SelectionError::not_found(format!(
+                "no pending selection {} for {} (expired, already used, or never selected)",
+                req.selection_id, req.partition
+            )));
+        };
+        let partition = self.ready_partition(&req.partition)?;
+        let workers = Arc::clone(&partition.workers.read());
+        let worker = cached.worker;
+        let entry = workers
+            .get(&worker.worker_id.0)
+            .filter(|w| w.record.has_rank(worker.dp_rank.0))
+            .ok_or_else(|| {
+                SelectionError::not_found(format!(
+                    "schedulable worker {} (dp_rank {}) not found for {}",
+                    worker.worker_id, worker.dp_rank, req.partition
+                ))
+            })?;
+        let claim = self.claim(&req.selection_id, &partition)?;
+        let mut session = match (partition.sessions.as_ref(), cached.session_id.as_deref()) {
+            (Some(table), Some(sid)) => self.hold_session(&partition, table, sid, Instant::now()),
+            _ => SessionGuard::none(),
+        };
+        self.book_on(
+            &partition,
+            &req.selection_id,
+            worker,
+            &cached.tracking_hashes,
+            cached.isl,
+            Some(cached.effective_prefill_tokens),
+            cached.track_prefill,
+            cached.expected_output_tokens,
+            cached.lora_name.clone(),
+            SlotPolicy::RequireRegistered,
+        )?;
+        let binding = match session.commit(worker) {
+            Ok(b) => b,
+            Err(e) => {
+                // A session bound elsewhere consumes the cached selection (§7, §16.2).
+                let _ = partition.ledger.lock().free(&req.selection_id);
+                self.pending.lock().consume(key, generation);
+                return Err(e);
+            }
+        };
+        self.record_decision(&partition, worker, &cached.block_hashes);
+        claim.install_with_session(session.into_lease());
+        self.publish_booking(
+            &partition,
+            &req.selection_id,
+            worker,
+            &cached.tracking_hashes,
+            cached.track_prefill,
+            Some(cached.effective_prefill_tokens),
+            cached.expected_output_tokens,
+            cached.lora_name.clone(),
+            binding,
+        );
+        self.pending.lock().consume(key, generation);
+        Ok(ReservationResponse {
+            selection_id: req.selection_id.clone(),
+            model_name: partition.key.model_name.clone(),
+            routing_group: partition.key.routing_group.clone(),
+            worker_id: worker.worker_id.0,
+            dp_rank: worker.dp_rank.0,
+            endpoint: entry.record.endpoint.clone().unwrap_or_default(),
+        })
+    }
+
+    fn booked_partition(&self, id: &str) -> Result<Arc<Partition>, SelectionError> {
+        let rows = self.reservations.lock();
+        match rows.get(id) {
+            Some(ReservationRow {
+                partition,
+                state: RowState::Booked,
+                ..
+            }) => Ok(Arc::clone(partition)),
+            _ => Err(SelectionError::not_found(format!(
+                "reservation {id} not found"
+            ))),
+        }
+    }
+
+    fn forget_row(&self, id: &str) {
+        let mut rows = self.reservations.lock();
+        if matches!(
+            rows.get(id),
+            Some(ReservationRow {
+                state: RowState::Booked,
+                ..
+            })
+        ) && let Some(row) = rows.remove(id)
+        {
+            drop(rows);
+            row.release_session(Instant::now());
+        }
+    }
+
+    /// Maps a ledger miss to 404 and forgets the stale row.
+    fn lifecycle_result<T>(
+        &self,
+        id: &str,
+        r: Result<T, LedgerError>,
+    ) -> Result<T, SelectionError> {
+        r.map_err(|e| {
+            if matches!(e, LedgerError::NotFound { .. }) {
+                self.forget_row(id);
+                SelectionError::not_found(format!("reservation {id} not found"))
+            } else {
+                ledger_error(e)
+            }
+        })
+    }
+
+    /// `POST /reservations/{id}/prefill_complete`.
+    pub fn prefill_complete(&self, id: &str) -> Result<(), SelectionError> {
+        let partition = self.booked_partition(id)?;
+        self.check_running()?;
+        let r = {
+            let mut ledger = partition.ledger.lock();
+            let worker = ledger.reservation(id).map(|i| i.worker);
+            ledger.prefill_complete(id).map(|_| worker)
+        };
+        let worker = self.lifecycle_result(id, r)?;
+        // Re-published on repeats too, so peers that missed it converge.
+        if let Some(worker) = worker {
+            self.publish_replica(crate::replica::sequence_event(
+                &partition,
+                id,
+                worker,
+                None,
+                replica_sync::SequenceEventKind::MarkPrefillCompleted,
+            ));
+        }
+        Ok(())
+    }
+
+    /// `POST /reservations/{id}/output_block`.
+    pub fn add_output_block(
+        &self,
+        id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Result<(), SelectionError> {
+        if let Some(f) = decay_fraction
+            && !(0.0..=1.0).contains(&f)
+        {
+            return Err(SelectionError::bad_request(
+                "decay_fraction must be between 0.0 and 1.0",
+            ));
+        }
+        let partition = self.booked_partition(id)?;
+        let r = partition.ledger.lock().output_block(id, decay_fraction);
+        self.lifecycle_result(id, r)
+    }
+
+    /// `DELETE /reservations/{id}`.
+    pub fn free_reservation(&self, id: &str) -> Result<(), SelectionError> {
+        let partition = self.booked_partition(id)?;
+        let r = partition.ledger.lock().free(id);
+        let out = self.lifecycle_result(id, r);
+        self.forget_row(id);
+        let freed = out?;
+        self.publish_replica(crate::replica::sequence_event(
+            &partition,
+            id,
+            freed.worker,
+            None,
+            replica_sync::SequenceEventKind::Free,
+        ));
+        Ok(())
+    }
+
+    /// Reclaims bookings older than the expiry and drops reservation rows whose booking is
+    /// gone. Returns how many bookings expired.
+    pub fn expire(&self, now: Instant) -> usize {
+        let partitions: Vec<Arc<Partition>> =
+            self.state.read().partitions.values().cloned().collect();
+        let mut expired = 0;
+        for p in &partitions {
+            expired += p.ledger.lock().expire(now).len();
+            if let Some(t) = &p.sessions {
+                t.reap(now);
+            }
+            p.index.write().expire(now, usize::MAX);
+        }
+        let mut rows = self.reservations.lock();
+        rows.retain(|id, row| match row.state {
+            RowState::Claimed => true,
+            RowState::Booked => {
+                let live = row.partition.ledger.lock().contains(id);
+                if !live {
+                    row.release_session(now);
+                }
+                live
+            }
+        });
+        drop(rows);
+        self.metrics
+            .expired_reservations
+            .fetch_add(expired as u64, Ordering::Relaxed);
+        expired
+    }
+
+    /// Applies a session binding learned from a replica peer (newer versions win).
+    /// Returns false when the partition has no session table or the binding is older.
+    pub fn apply_remote_binding(&self, partition: &PartitionKey, update: &BindingUpdate) -> bool {
+        self.partition(partition)
+            .and_then(|p| {
+                p.sessions
+                    .as_ref()
+                    .map(|t| t.apply_remote(update, Instant::now()))
+            })
+            .unwrap_or(false)
+    }
+
+    /// Session bindings held across all partitions.
+    pub fn session_count(&self) -> usize {
+        let partitions: Vec<Arc<Partition>> =
+            self.state.read().partitions.values().cloned().collect();
+        partitions
+            .iter()
+            .filter_map(|p| p.sessions.as_ref())
+            .map(SessionTable::len)
+            .sum()
+    }
+
+    /// Live reservation rows (bookings and in-flight claims).
+    pub fn reservation_count(&self) -> usize {
+        self.reservations.lock().len()
+    }
+
+    pub fn pending_selection_count(&self) -> (usize, usize) {
+        let p = self.pending.lock();
+        (p.len(), p.bytes())
+    }
+
+    // ---------------------------------------------------------------- inspection
+
+    /// `GET /loads`.
+    pub fn loads(&self, model_name: Option<&str>, routing_group: Option<&str>) -> Vec<ModelLoads> {
+        let partitions: Vec<Arc<Partition>> =
+            self.state.read().partitions.values().cloned().collect();
+        partitions
+            .iter()
+            .filter(|p| model_name.is_none_or(|m| p.key.model_name == m))
+            .filter(|p| routing_group.is_none_or(|g| p.key.routing_group == g))
+            .map(|p| {
+                let ledger = p.ledger.lock();
+                let mut loads: Vec<LoadRow> = ledger
+                    .loads()
+                    .map(|(k, l)| LoadRow {
+                        worker_id: k.worker_id.0,
+                        dp_rank: k.dp_rank.0,
+                        potential_prefill_tokens: l.active_prefill_tokens,
+                        potential_decode_blocks: l.active_decode_blocks,
+                        active_requests: l.active_requests,
+                    })
+                    .collect();
+                drop(ledger);
+                loads.sort_by_key(|l| (l.worker_id, l.dp_rank));
+                ModelLoads {
+                    model_name: p.key.model_name.clone(),
+                    routing_group: p.key.routing_group.clone(),
+                    loads,
+                    pending_count: 0,
+                    pending_isl_tokens: 0,
+                }
+            })
+            .collect()
+    }
+
+    /// `POST /potential_loads`.
+    pub fn potential_loads(&self, q: &PromptQuery) -> Result<Vec<LoadRow>, SelectionError> {
+        self.check_running()?;
+        let partition = self.ready_partition(&q.partition)?;
+        let mut scratch = SelectScratch::default();
+        let isl = self.normalize_prompt(
+            &partition,
+            &q.prompt,
+            &q.router_config_override,
+            true,
+            &mut scratch,
+        )?;
+        let router = &self.config.router;
+        let track = router.track_prefill_tokens(&q.router_config_override);
+        partition
+            .index
+            .read()
+            .find_tiered(&scratch.blocks, &mut scratch.tiered);
+        let ledger = partition.ledger.lock();
+        let mut rows: Vec<LoadRow> = ledger
+            .ranks()
+            .map(|k| {
+                let hits = scratch.tiered.get(k).copied().unwrap_or_default();
+                let cache = CacheInputs {
+                    device_blocks: hits.device,
+                    host_blocks: hits.host_pinned,
+                    disk_blocks: hits.disk_extension(),
+                    shared_beyond_blocks: 0,
+                };
+                let cached = cached_tokens(
+                    cache.effective_overlap_blocks(
+                        router.host_cache_hit_weight,
+                        router.disk_cache_hit_weight,
+                    ),
+                    partition.block_size,
+                );
+                let added = if track { isl - isl.min(cached) } else { 0 };
+                let l = ledger.potential_load(k, &scratch.tracking, added);
+                LoadRow {
+                    worker_id: k.worker_id.0,
+                    dp_rank: k.dp_rank.0,
+                    potential_prefill_tokens: l.potential_prefill_tokens,
+                    potential_decode_blocks: l.potential_decode_blocks,
+                    active_requests: l.active_requests,
+                }
+            })
+            .collect();
+        drop(ledger);
+        rows.sort_by_key(|l| (l.worker_id, l.dp_rank));
+        Ok(rows)
+    }
+
+    /// `POST /overlap_scores`.
+    pub fn overlap_scores(&self, q: &PromptQuery) -> Result<OverlapScoresResponse, SelectionError> {
+        self.check_running()?;
+        let partition = self.ready_partition(&q.partition)?;
+        let mut scratch = SelectScratch::default();
+        self.normalize_prompt(
+            &partition,
+            &q.prompt,
+            &q.router_config_override,
+            true,
+            &mut scratch,
+        )?;
+        partition
+            .index
+            .read()
+            .find_tiered(&scratch.blocks, &mut scratch.tiered);
+        let mut rows: BTreeMap<WorkerKey, TierHits> = BTreeMap::new();
+        for w in partition.workers.read().values() {
+            for rank in w.record.dp_ranks() {
+                let key = WorkerKey::new(w.record.worker_id, rank);
+                rows.insert(
+                    key,
+                    TierHits {
+                        worker: key,
+                        ..TierHits::default()
+                    },
+                );
+            }
+        }
+        for h in scratch.tiered.hits() {
+            rows.insert(h.worker, *h);
+        }
+        let workers = rows
+            .into_values()
+            .map(|h| OverlapRow {
+                worker_id: h.worker.worker_id.0,
+                dp_rank: h.worker.dp_rank.0,
+                device_blocks: h.device,
+                host_pinned_blocks: h.cpu(),
+                disk_blocks: h.disk_cumulative(),
+                host_pinned_extension_blocks: h.host_pinned,
+                disk_extension_blocks: h.disk_extension(),
+            })
+            .collect();
+        Ok(OverlapScoresResponse {
+            block_size: partition.block_size,
+            num_blocks: scratch.blocks.len(),
+            workers,
+        })
+    }
+
+    /// The `/dump` content: per partition, its block size and the snapshot operations.
+    pub fn index_snapshot(&self) -> Vec<(PartitionKey, u32, Vec<KvOperation>)> {
+        let partitions: Vec<Arc<Partition>> =
+            self.state.read().partitions.values().cloned().collect();
+        partitions
+            .iter()
+            .map(|p| {
+                (
+                    p.key.clone(),
+                    p.block_size,
+                    p.index.read().snapshot_operations(),
+                )
+            })
+            .collect()
+    }
+
+    /// The `/dump` body: every partition's snapshot in the recovery format
+    /// (`spec/replica-sync.md` §9.1), serialized once here by the owner of the index.
+    pub fn dump_json(&self) -> Result<Vec<u8>, SelectionError> {
+        let dump: kv_index::snapshot::Dump = self
+            .index_snapshot()
+            .into_iter()
+            .map(|(key, block_size, events)| {
+                (
+                    format!("{}:{}", key.model_name, key.routing_group),
+                    kv_index::snapshot::PartitionDump::Snapshot { block_size, events },
+                )
+            })
+            .collect();
+        kv_index::snapshot::encode_dump(&dump).map_err(|e| SelectionError::internal(e.to_string()))
+    }
+
+    /// Startup recovery: applies a peer's `/dump` body. Partitions are created with the
+    /// dumped block size (a later worker with another size becomes incomplete, as for any
+    /// mismatch). Returns the number of operations applied.
+    pub fn restore_from_dump(&self, bytes: &[u8]) -> Result<usize, SelectionError> {
+        let dump =
+            kv_index::snapshot::decode_dump(bytes, &kv_index::snapshot::DecodeLimits::default())
+                .map_err(|e| SelectionError::bad_request(format!("invalid snapshot: {e}")))?;
+        let mut applied = 0;
+        for (key, part) in dump {
+            let kv_index::snapshot::PartitionDump::Snapshot { block_size, events } = part else {
+                continue;
+            };
+            let Some((model, group)) = kv_index::snapshot::split_partition_key(&key) else {
+                continue;
+            };
+            self.restore_partition(PartitionKey::new(model, group), block_size, &events)?;
+            applied += events.len();
+        }
+        Ok(applied)
+    }
+
+    /// Applies recovered operations (from a peer's `/dump`) to a partition, creating it.
+    pub fn restore_partition(
+        &self,
+        key: PartitionKey,
+        block_size: u32,
+        ops: &[KvOperation],
+    ) -> Result<(), SelectionError> {
+        let p = self
+            .partition_or_create(key, block_size, false)
+            .map_err(SelectionError::bad_request)?;
+        let mut index = p.index.write();
+        for op in ops {
+            index.apply(op);
+        }
+        Ok(())
+    }
+
+    /// Event-application counters per partition.
+    pub fn index_counters(&self) -> Vec<(PartitionKey, kv_index::ApplyCounters)> {
+        let partitions: Vec<Arc<Partition>> =
+            self.state.read().partitions.values().cloned().collect();
+        partitions
+            .iter()
+            .map(|p| (p.key.clone(), p.index.read().counters()))
+            .collect()
+    }
+
+    /// Applies normalized engine events to a partition's index: the same path the ZMQ
+    /// listeners feed (for embedding hosts that receive events by other means, and replay).
+    pub fn apply_events(&self, partition: &PartitionKey, ops: &[KvOperation]) {
+        let Some(p) = self.partition(partition) else {
+            return;
+        };
+        for op in ops {
+            // One event per write section: a lookup never waits behind a whole batch.
+            p.index.write().apply(op);
+        }
+    }
+}
+
+impl IngressSink for std::sync::Weak<SelectionCore> {
+    fn apply(&self, partition: &PartitionKey, ops: &[KvOperation]) {
+        if let Some(core) = self.upgrade() {
+            core.apply_events(partition, ops);
+        }
+    }
+}
+
+/// An id claimed in the reservation index; released on drop unless installed.
+struct Claim<'a> {
+    core: &'a SelectionCore,
+    id: String,
+    installed: AtomicBool,
+}
+
+impl Claim<'_> {
+    fn install(&self) {
+        self.install_with_session(None);
+    }
+
+    fn install_with_session(&self, session: Option<String>) {
+        if let Some(row) = self.core.reservations.lock().get_mut(&self.id) {
+            row.state = RowState::Booked;
+            row.session = session;
+        }
+        self.installed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A session held by an in-flight booking: abandons an uncommitted initialization or
+/// releases an unused lease when dropped on an error path.
+struct SessionGuard<'p> {
+    table: Option<&'p SessionTable>,
+    sid: String,
+    state: GuardState,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GuardState {
+    Idle,
+    Init,
+    Bound(SessionTarget),
+    /// Committed: the lease now belongs to the reservation row.
+    Leased,
+}
+
+impl<'p> SessionGuard<'p> {
+    fn none() -> Self {
+        Self {
+            table: None,
+            sid: String::new(),
+            state: GuardState::Idle,
+        }
+    }
+
+    fn init(table: &'p SessionTable, sid: &str) -> Self {
+        Self {
+            table: Some(table),
+            sid: sid.to_owned(),
+            state: GuardState::Init,
+        }
+    }
+
+    fn bound(table: &'p SessionTable, sid: &str, target: SessionTarget) -> Self {
+        Self {
+            table: Some(table),
+            sid: sid.to_owned(),
+            state: GuardState::Bound(target),
+        }
+    }
+
+    fn bound_target(&self) -> Option<SessionTarget> {
+        match self.state {
+            GuardState::Bound(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Binds (or checks the binding against) the booked worker and rank.
+    fn commit(&mut self, booked: WorkerKey) -> Result<Option<BindingUpdate>, SelectionError> {
+        let Some(table) = self.table else {
+            return Ok(None);
+        };
+        match self.state {
+            GuardState::Init => {
+                let target = SessionTarget {
+                    worker_id: booked.worker_id.0,
+                    dp_rank: Some(booked.dp_rank.0),
+                };
+                let update = table.commit_init(&self.sid, target, Instant::now());
+                self.state = GuardState::Leased;
+                Ok(Some(update))
+            }
+            GuardState::Bound(_) => match table.commit_bound(&self.sid, booked) {
+                Ok(update) => {
+                    self.state = GuardState::Leased;
+                    Ok(Some(update))
+                }
+                Err(message) => {
+                    // The binding (and with it our lease) is gone.
+                    self.state = GuardState::Idle;
+                    Err(SelectionError::bad_request(message))
+                }
+            },
+            GuardState::Idle | GuardState::Leased => Ok(None),
+        }
+    }
+
+    /// Hands the committed lease to the reservation row.
+    fn into_lease(mut self) -> Option<String> {
+        if self.state == GuardState::Leased {
+            self.state = GuardState::Idle;
+            Some(std::mem::take(&mut self.sid))
+        } else {
+            None
+        }
+    }
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        let Some(table) = self.table else { return };
+        match self.state {
+            GuardState::Init => table.abandon(&self.sid),
+            GuardState::Bound(_) | GuardState::Leased => table.release(&self.sid, Instant::now()),
+            GuardState::Idle => {}
+        }
+    }
+}
+
+fn check_session_id(sid: &str) -> Result<(), SelectionError> {
+    if sid.len() > MAX_SESSION_ID_BYTES {
+        return Err(SelectionError::bad_request(
+            "session affinity ID must not exceed 256 bytes",
+        ));
+    }
+    Ok(())
+}
+
+fn affinity(target: SessionTarget) -> selection_policy::AffinityTarget {
+    selection_policy::AffinityTarget {
+        worker_id: WorkerId(target.worker_id),
+        dp_rank: target.dp_rank.map(kv_types::DpRank),
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.installed.load(Ordering::Relaxed) {
+            let mut rows = self.core.reservations.lock();
+            if matches!(
+                rows.get(&self.id),
+                Some(ReservationRow {
+                    state: RowState::Claimed,
+                    ..
+                })
+            ) {
+                rows.remove(&self.id);
+            }
+        }
+    }
+}
+
+fn check_partition(p: &Partition, block_size: u32, is_eagle: bool) -> Result<(), String> {
+    if p.block_size != block_size {
+        return Err(format!(
+            "block_size mismatch for {}: existing={} requested={block_size}",
+            p.key, p.block_size
+        ));
+    }
+    if p.is_eagle != is_eagle {
+        return Err(format!(
+            "is_eagle mismatch for {}: existing={} requested={is_eagle}",
+            p.key, p.is_eagle
+        ));
+    }
+    Ok(())
+}
+
+fn check_hash_only(blocks: &[u64], seqs: &[u64], isl: u64) -> Result<(), SelectionError> {
+    if isl == 0 {
+        return Err(SelectionError::bad_request(
+            "isl_tokens must be greater than 0",
+        ));
+    }
+    if blocks.len() != seqs.len() {
+        return Err(SelectionError::bad_request(format!(
+            "block_hashes length {} must match sequence_hashes length {}",
+            blocks.len(),
+            seqs.len()
+        )));
+    }
+    Ok(())
+}
+
+fn session_of(req: &SelectRequest) -> Option<String> {
+    if req.pinned_worker.is_some() || req.affinity_target.is_some() {
+        return None;
+    }
+    match &req.session_context {
+        Some(c) => Some(c.session_id().to_owned()),
+        None => req.session_id.clone(),
+    }
+}
+
+fn overlap_summary(
+    worker: &WorkerRequest,
+    hits: &FxHashMap<WorkerKey, TierHits>,
+    block_size: u32,
+) -> OverlapSummary {
+    let tokens = |blocks: u32| -> u32 {
+        u32::try_from(u64::from(blocks) * u64::from(block_size)).unwrap_or(u32::MAX)
+    };
+    let mut s = OverlapSummary::default();
+    for rank in worker.dp_ranks() {
+        let h = hits
+            .get(&WorkerKey::new(worker.worker_id, rank))
+            .copied()
+            .unwrap_or_default();
+        s.dp.insert(rank, tokens(h.device));
+        s.gpu = s.gpu.max(tokens(h.gpu()));
+        s.cpu = s.cpu.max(tokens(h.cpu()));
+        s.disk = s.disk.max(tokens(h.disk_cumulative()));
+    }
+    s.longest_matched = s.gpu.max(s.cpu).max(s.disk);
+    s
+}
+
+fn policy_error(e: PolicyError) -> SelectionError {
+    match e {
+        PolicyError::NoCandidates | PolicyError::PinnedNotCandidate { .. } => {
+            SelectionError::scheduler(503, "no endpoints available to route work")
+        }
+        PolicyError::AllFiltered => {
+            SelectionError::scheduler(503, "all eligible workers were rejected by policy filters")
+        }
+        other => SelectionError::scheduler(500, other.to_string()),
+    }
+}
+
+fn ledger_error(e: LedgerError) -> SelectionError {
+    match e {
+        LedgerError::DuplicateReservation { .. } => SelectionError::sequence(409, e.to_string()),
+        LedgerError::NotFound { .. } => SelectionError::sequence(404, e.to_string()),
+        LedgerError::UnknownRank { worker } => {
+            SelectionError::sequence(404, format!("{worker} not found"))
+        }
+        LedgerError::InvalidDecayFraction { .. } | LedgerError::PrefillExceedsIsl { .. } => {
+            SelectionError::bad_request(e.to_string())
+        }
+        other => SelectionError::internal(other.to_string()),
+    }
+}
+
+fn index_config(router: &RouterConfig) -> IndexConfig {
+    IndexConfig {
+        block_size: 16,
+        use_kv_events: router.use_kv_events,
+        router_ttl: Duration::from_secs_f64(router.router_ttl_secs.max(0.0)),
+        approximate_cache_policy: match router.router_approximate_cache_policy {
+            selection_policy::ApproximateCachePolicy::Lru => kv_index::ApproxCachePolicy::Lru,
+            _ => kv_index::ApproxCachePolicy::Ttl,
+        },
+        predicted_ttl: router
+            .router_predicted_ttl_secs
+            .map(|s| Duration::from_secs_f64(s.max(0.0))),
+    }
+}
+
+/// Whether bookings are recorded into the index (approximate primary or side index).
+fn records_decisions(index: &KvIndex) -> bool {
+    index.is_approximate() || index.has_side_index()
+}
+
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0x5EED)
+}
+
+/// A random UUIDv4 string (lowercase, hyphenated) for generated selection ids.
+fn new_uuid_v4(seed: &AtomicU64) -> String {
+    let mut rng =
+        PickRng::seeded(seed.fetch_add(0xA076_1D64_78BD_642F, Ordering::Relaxed) ^ clock_seed());
+    let hi = rng.next_u64();
+    let lo = rng.next_u64();
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&hi.to_be_bytes());
+    b[8..].copy_from_slice(&lo.to_be_bytes());
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}

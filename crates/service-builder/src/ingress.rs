@@ -1,0 +1,285 @@
+//! ZMQ-direct KV-event ingress: one listener per (worker, DP rank) endpoint, reconciled rank
+//! by rank on every catalog change (`spec/service-semantics.md` §3.4).
+//!
+//! A rank whose endpoint and replay endpoint are unchanged keeps its listener, watermark and
+//! indexed blocks; every other rank of the previous record is stopped and its blocks
+//! dropped; new ranks get a fresh listener. All listeners share one ZMQ context (one I/O
+//! thread for hundreds of sockets).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kv_events::{EndpointError, KvEventListener, ListenerConfig, ListenerState, ListenerStats};
+use kv_types::{KvOperation, WorkerId, WorkerKey};
+use parking_lot::Mutex;
+
+use crate::catalog::{PartitionKey, WorkerRequest};
+use crate::core::Partition;
+
+/// Where decoded engine events go (the core, through a weak reference).
+pub(crate) trait IngressSink: Send + Sync + 'static {
+    fn apply(&self, partition: &PartitionKey, ops: &[KvOperation]);
+}
+
+#[derive(Debug)]
+struct Registered {
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    partition: Arc<Partition>,
+    listener: KvEventListener,
+}
+
+/// The set of running listeners.
+pub(crate) struct Ingress {
+    ctx: zmq::Context,
+    sink: Arc<dyn IngressSink>,
+    replay_timeout: Duration,
+    listeners: Mutex<HashMap<WorkerKey, Registered>>,
+    /// Listeners start consuming only once the service is ready (after startup recovery).
+    open: AtomicBool,
+}
+
+impl std::fmt::Debug for Ingress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ingress")
+            .field("listeners", &self.listeners.lock().len())
+            .finish()
+    }
+}
+
+impl Ingress {
+    pub(crate) fn new(sink: Arc<dyn IngressSink>, replay_timeout: Duration) -> Self {
+        Self {
+            ctx: zmq::Context::new(),
+            sink,
+            replay_timeout,
+            listeners: Mutex::new(HashMap::new()),
+            open: AtomicBool::new(true),
+        }
+    }
+
+    /// Reconciles the listeners of `record` against `prev` (same partition, schedulable).
+    pub(crate) fn reconcile(
+        &self,
+        partition: &Arc<Partition>,
+        prev: Option<&WorkerRequest>,
+        record: &WorkerRequest,
+    ) -> Result<(), String> {
+        let endpoints = record.listener_endpoints();
+        for (rank, ep) in &endpoints {
+            check_endpoint(ep).map_err(|why| {
+                format!(
+                    "invalid kv_events endpoint for worker {} dp_rank {rank}: {why}",
+                    record.worker_id
+                )
+            })?;
+        }
+        if let Some(ep) = &record.replay_endpoint {
+            check_endpoint(ep).map_err(|why| {
+                format!(
+                    "invalid replay endpoint for worker {}: {why}",
+                    record.worker_id
+                )
+            })?;
+        }
+        let worker_id = WorkerId(record.worker_id);
+        let mut to_stop = Vec::new();
+        let mut retained = Vec::new();
+        {
+            let mut listeners = self.listeners.lock();
+            let mine: Vec<WorkerKey> = listeners
+                .keys()
+                .filter(|k| k.worker_id == worker_id)
+                .copied()
+                .collect();
+            for key in mine {
+                let keep = prev.is_some()
+                    && listeners.get(&key).is_some_and(|r| {
+                        Arc::ptr_eq(&r.partition, partition)
+                            && record.has_rank(key.dp_rank.0)
+                            && endpoints.get(&key.dp_rank.0) == Some(&r.endpoint)
+                            && r.replay_endpoint == record.replay_endpoint
+                    });
+                if keep {
+                    retained.push(key.dp_rank.0);
+                } else if let Some(r) = listeners.remove(&key) {
+                    to_stop.push((key, r));
+                }
+            }
+        }
+        // Stop outside the lock: joining a listener thread takes up to one poll slice.
+        for (key, r) in to_stop {
+            r.listener.stop();
+            r.partition.index.write().remove_rank(key);
+        }
+        if let Some(prev) = prev {
+            for rank in prev.dp_ranks().filter(|r| !retained.contains(r)) {
+                partition
+                    .index
+                    .write()
+                    .remove_rank(WorkerKey::new(prev.worker_id, rank));
+            }
+        }
+        let block_size = record.block_size.unwrap_or(0);
+        let mut started = BTreeMap::new();
+        for (rank, ep) in endpoints.iter().filter(|(r, _)| !retained.contains(r)) {
+            let key = WorkerKey::new(record.worker_id, *rank);
+            let mut cfg = ListenerConfig::new(key, ep.clone(), block_size)
+                .with_replay_timeout(self.replay_timeout);
+            if let Some(replay) = &record.replay_endpoint {
+                cfg = cfg.with_replay_endpoint(replay.clone());
+            }
+            cfg.start_open = self.open.load(Ordering::SeqCst);
+            let sink = Arc::clone(&self.sink);
+            let pk = partition.key.clone();
+            let apply = move |ops: &[KvOperation]| sink.apply(&pk, ops);
+            match KvEventListener::start_in(&self.ctx, cfg, Arc::new(apply)) {
+                Ok(l) => {
+                    started.insert(
+                        key,
+                        Registered {
+                            endpoint: ep.clone(),
+                            replay_endpoint: record.replay_endpoint.clone(),
+                            partition: Arc::clone(partition),
+                            listener: l,
+                        },
+                    );
+                }
+                Err(e) => {
+                    for (_, r) in started {
+                        r.listener.stop();
+                    }
+                    return Err(format!(
+                        "failed to start kv_events listener for dp_rank {rank}: {e}"
+                    ));
+                }
+            }
+        }
+        self.listeners.lock().extend(started);
+        Ok(())
+    }
+
+    /// Stops every listener of a worker (all ranks).
+    pub(crate) fn detach_worker(&self, worker_id: WorkerId) {
+        let stopped: Vec<Registered> = {
+            let mut listeners = self.listeners.lock();
+            let keys: Vec<WorkerKey> = listeners
+                .keys()
+                .filter(|k| k.worker_id == worker_id)
+                .copied()
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| listeners.remove(&k))
+                .collect()
+        };
+        for r in stopped {
+            r.listener.stop();
+        }
+    }
+
+    pub(crate) fn stop_all(&self) {
+        let all: Vec<Registered> = self.listeners.lock().drain().map(|(_, r)| r).collect();
+        for r in all {
+            r.listener.stop();
+        }
+    }
+
+    /// Operator-visible problems of a worker's listeners.
+    pub(crate) fn warnings(&self, worker_id: WorkerId) -> Vec<String> {
+        let listeners = self.listeners.lock();
+        let mut out: Vec<(u32, String)> = listeners
+            .iter()
+            .filter(|(k, _)| k.worker_id == worker_id)
+            .filter_map(|(k, r)| match r.listener.state() {
+                ListenerState::Failed { error } => Some((
+                    k.dp_rank.0,
+                    format!(
+                        "kv_events listener for dp_rank {} failed: {error}",
+                        k.dp_rank
+                    ),
+                )),
+                _ => None,
+            })
+            .collect();
+        out.sort();
+        out.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// Per-listener statistics for `/metrics`.
+    pub(crate) fn stats(&self) -> Vec<(WorkerKey, Arc<ListenerStats>)> {
+        let listeners = self.listeners.lock();
+        let mut out: Vec<(WorkerKey, Arc<ListenerStats>)> = listeners
+            .iter()
+            .map(|(k, r)| (*k, Arc::clone(r.listener.stats())))
+            .collect();
+        out.sort_by_key(|(k, _)| *k);
+        out
+    }
+
+    pub(crate) fn watermark(&self, key: WorkerKey) -> Option<u64> {
+        self.listeners
+            .lock()
+            .get(&key)
+            .and_then(|r| r.listener.watermark())
+    }
+}
+
+/// The contract's wording of an invalid endpoint (http-api §4.2).
+fn check_endpoint(ep: &str) -> Result<(), String> {
+    kv_events::validate_endpoint(ep).map_err(|e| {
+        let why = match &e {
+            EndpointError::MissingScheme { .. } => "missing scheme".to_owned(),
+            EndpointError::EmptyAddress { .. } => "missing address".to_owned(),
+            EndpointError::MissingTcpPort { .. } => "missing TCP port".to_owned(),
+            EndpointError::EmptyHost { .. } => "missing TCP host".to_owned(),
+            EndpointError::UnclosedIpv6Host { .. } => "missing closing `]`".to_owned(),
+            EndpointError::InvalidPort { port, .. } => match port.parse::<u16>() {
+                Err(p) => format!("invalid TCP port: {p}"),
+                Ok(_) => "invalid TCP port".to_owned(),
+            },
+            EndpointError::UnsupportedScheme { scheme, .. } => {
+                format!("unsupported scheme `{scheme}`")
+            }
+            other => other.to_string(),
+        };
+        format!("invalid ZMQ endpoint `{ep}`: {why}")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_endpoint;
+
+    #[test]
+    fn endpoint_errors_use_the_contract_wording() {
+        let cases = [
+            (
+                "127.0.0.1:1",
+                "invalid ZMQ endpoint `127.0.0.1:1`: missing scheme",
+            ),
+            ("tcp://", "invalid ZMQ endpoint `tcp://`: missing address"),
+            (
+                "tcp://h",
+                "invalid ZMQ endpoint `tcp://h`: missing TCP port",
+            ),
+            (
+                "tcp://:1",
+                "invalid ZMQ endpoint `tcp://:1`: missing TCP host",
+            ),
+            (
+                "tcp://h:x",
+                "invalid ZMQ endpoint `tcp://h:x`: invalid TCP port: invalid digit found in string",
+            ),
+            (
+                "udp://h:1",
+                "invalid ZMQ endpoint `udp://h:1`: unsupported scheme `udp`",
+            ),
+        ];
+        for (ep, msg) in cases {
+            assert_eq!(check_endpoint(ep).err().as_deref(), Some(msg), "{ep}");
+        }
+        assert!(check_endpoint("tcp://*:5557").is_ok());
+    }
+}

@@ -1,0 +1,58 @@
+//! The kv-select selection service, in process: the only crate where the sibling crates
+//! meet (`kv-events`, `kv-index`, `load-accounting`, `selection-policy`).
+//!
+//! [`SelectionServiceBuilder`] validates a [`CoreConfig`] and starts a [`SelectionService`]
+//! (background expiry, KV listeners); [`SelectionCore::try_new_local`] gives the same
+//! operations without any task, for tests and embedding. Every operation mirrors an HTTP
+//! route of `spec/http-api.md` and fails with a [`SelectionError`] carrying the route's
+//! status code and message.
+//!
+//! # Invariants
+//! - Worker ids are service-wide; a partition `(model_name, routing_group)` is created by
+//!   its first complete worker and never removed. Its block size and Eagle flag are fixed
+//!   by that worker.
+//! - The ledger's rank slots are reconciled synchronously with every catalog commit, so a
+//!   reservation right after a registration never sees a missing rank.
+//! - Hashing happens before any lock; a selection holds the index read lock only for the
+//!   lookup and the ledger lock only while reading projections. Event ingestion takes the
+//!   index write lock once per event, never per batch.
+//! - A failed operation changes no state: claims of reservation ids are released on every
+//!   error path (a drop guard), and bookings are made last.
+//!
+//! # Not yet here
+//! The admission queue (selections are admitted immediately; the
+//! queue lives in `selection-policy`) and KV hints are separate work items.
+
+mod catalog;
+mod core;
+mod discovery;
+mod error;
+mod ingress;
+mod pending;
+mod replica;
+mod request;
+mod service;
+mod session;
+
+pub use catalog::{
+    Lifecycle, MAX_DATA_PARALLEL_SIZE, PartitionKey, WorkerCatalogRecord, WorkerPatch,
+    WorkerRequest,
+};
+pub use core::{CoreConfig, CoreMetrics, PolicyFactory, SelectionCore};
+pub use discovery::CatalogReconciler;
+pub use error::{BuildError, ErrorKind, RejectionDetails, SelectionError};
+/// Listener statistics and their label sets, for exporters.
+pub use kv_events::{DropReason, FilterReason, ListenerStats};
+pub use pending::SelectionCacheConfig;
+pub use replica::ReplicaApplyStats;
+pub use request::{
+    KvHint, LoadRow, MmRoutingInfo, ModelLoads, OverlapRow, OverlapScoresResponse, OverlapSummary,
+    PromptInput, PromptQuery, ReadyResponse, ReservationRequest, ReservationResponse,
+    SelectRequest, SelectResponse,
+};
+pub use service::{
+    MAX_SESSION_AFFINITY_TTL, ReplicaSyncConfig, SelectionService, SelectionServiceBuilder,
+};
+pub use session::{
+    BindingUpdate, BindingVersion, MAX_SESSION_ID_BYTES, MAX_SESSIONS_PER_TABLE, SessionTarget,
+};

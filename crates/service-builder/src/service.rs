@@ -1,0 +1,203 @@
+//! `SelectionServiceBuilder` -> `SelectionService`: the core plus the background tasks a
+//! running service needs (periodic expiry), with an explicit, idempotent shutdown.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::core::{CoreConfig, PolicyFactory, SelectionCore};
+use crate::error::BuildError;
+use crate::pending::SelectionCacheConfig;
+
+/// Largest accepted session-affinity TTL (one year).
+pub const MAX_SESSION_AFFINITY_TTL: Duration = Duration::from_secs(31_536_000);
+
+/// Validates settings and starts a [`SelectionService`].
+#[derive(Clone)]
+pub struct SelectionServiceBuilder {
+    config: CoreConfig,
+    policy_factory: Option<PolicyFactory>,
+    expiry_period: Option<Duration>,
+    replica: Option<ReplicaSyncConfig>,
+}
+
+/// The replica mesh settings (`--replica-sync-port`, `--replica-sync-peers`, `--host`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaSyncConfig {
+    /// Bind host of the PUB socket (`*` = every interface).
+    pub host: String,
+    /// `None` with peers is a startup error, as in the contract.
+    pub port: Option<u16>,
+    pub peers: Vec<String>,
+}
+
+impl std::fmt::Debug for SelectionServiceBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SelectionServiceBuilder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SelectionServiceBuilder {
+    pub fn new(config: CoreConfig) -> Self {
+        Self {
+            config,
+            policy_factory: None,
+            expiry_period: None,
+            replica: None,
+        }
+    }
+
+    /// Uses this factory for every partition instead of the built-in policy.
+    pub fn worker_selection_policy_factory(mut self, factory: PolicyFactory) -> Self {
+        self.policy_factory = Some(factory);
+        self
+    }
+
+    /// Pending-selection cache bounds.
+    pub fn selection_cache(mut self, cache: SelectionCacheConfig) -> Self {
+        self.config.selection_cache = cache;
+        self
+    }
+
+    /// How often the expiry pass runs (default: every 60 s, or the expiry if shorter).
+    pub fn expiry_period(mut self, period: Duration) -> Self {
+        self.expiry_period = Some(period);
+        self
+    }
+
+    /// Enables the replica mesh (validated in [`Self::build`]).
+    pub fn replica_sync(mut self, replica: ReplicaSyncConfig) -> Self {
+        self.replica = Some(replica);
+        self
+    }
+
+    /// Enables session affinity (hard mode) with this idle TTL, 1 s ..= 31,536,000 s.
+    pub fn session_affinity(mut self, ttl: Duration) -> Self {
+        self.config.session_affinity_ttl = Some(ttl);
+        self
+    }
+
+    /// Validates everything and starts the service's tasks on the current Tokio runtime.
+    pub fn build(self) -> Result<SelectionService, BuildError> {
+        if let Some(ttl) = self.config.session_affinity_ttl
+            && !(Duration::from_secs(1)..=MAX_SESSION_AFFINITY_TTL).contains(&ttl)
+        {
+            return Err(BuildError::SessionAffinityTtl);
+        }
+        let cache = self.config.selection_cache;
+        if cache.max_entries == 0 {
+            return Err(BuildError::SelectionCache {
+                field: "max_entries",
+            });
+        }
+        if cache.max_bytes == 0 {
+            return Err(BuildError::SelectionCache { field: "max_bytes" });
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| BuildError::Startup("build() must run inside a Tokio runtime".into()))?;
+        let period = self
+            .expiry_period
+            .unwrap_or_else(|| {
+                self.config
+                    .active_request_expiry
+                    .min(Duration::from_secs(60))
+            })
+            .max(Duration::from_millis(10));
+        let mut config = self.config;
+        let mesh_config = match self.replica {
+            Some(ReplicaSyncConfig {
+                port: None, peers, ..
+            }) if !peers.is_empty() => {
+                return Err(BuildError::ReplicaPeersWithoutPort);
+            }
+            Some(ReplicaSyncConfig { port: Some(0), .. }) => {
+                return Err(BuildError::ReplicaPortZero);
+            }
+            Some(ReplicaSyncConfig {
+                host,
+                port: Some(port),
+                peers,
+            }) => {
+                let router_id = replica_sync::RouterId::random();
+                config.replica_id = router_id.0;
+                let mut m = replica_sync::MeshConfig::new(port);
+                m.host = host;
+                m.peers = peers;
+                m.session_affinity = config.session_affinity_ttl.is_some();
+                m.router_id = Some(router_id);
+                Some(m)
+            }
+            _ => None,
+        };
+        let core = SelectionCore::try_new_local(config, self.policy_factory)?;
+        if let Some(m) = mesh_config {
+            let sink = Arc::new(crate::replica::CoreSink(Arc::downgrade(&core)));
+            let mesh = replica_sync::ReplicaMesh::start(m, sink)
+                .map_err(|e| BuildError::Startup(e.to_string()))?;
+            core.set_replica_mesh(Arc::new(mesh));
+        }
+        let (stop_tx, mut stop_rx) = watch::channel(false);
+        let expiry_core = Arc::clone(&core);
+        let expiry = runtime.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        let n = expiry_core.expire(Instant::now());
+                        if n > 0 {
+                            tracing::info!(expired = n, "reclaimed reservations older than the expiry");
+                        }
+                    }
+                    _ = stop_rx.changed() => break,
+                }
+            }
+        });
+        Ok(SelectionService {
+            core,
+            stop: stop_tx,
+            tasks: parking_lot::Mutex::new(vec![expiry]),
+        })
+    }
+}
+
+/// A running selection service. Dropping it without [`Self::shutdown`] stops its tasks too.
+#[derive(Debug)]
+pub struct SelectionService {
+    core: Arc<SelectionCore>,
+    stop: watch::Sender<bool>,
+    tasks: parking_lot::Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl SelectionService {
+    /// The shared core: every operation of the service.
+    pub fn core(&self) -> &Arc<SelectionCore> {
+        &self.core
+    }
+
+    /// Stops accepting work, stops listeners and background tasks, and waits for them.
+    /// Idempotent.
+    pub async fn shutdown(&self) {
+        let core = Arc::clone(&self.core);
+        // Stopping listeners joins their threads: keep that off the async workers.
+        let _ = tokio::task::spawn_blocking(move || core.shutdown()).await;
+        let _ = self.stop.send(true);
+        let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for SelectionService {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks.lock().drain(..) {
+            t.abort();
+        }
+    }
+}

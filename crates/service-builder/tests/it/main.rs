@@ -1,0 +1,1045 @@
+//! Integration tests of the in-process service: catalog, selection, reservations, the
+//! pending cache, expiry, and KV events arriving over real ZMQ on loopback.
+
+#![expect(
+    clippy::unwrap_used,
+    reason = "test helpers fail loudly on broken fixtures"
+)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_types::{HashOptions, WorkerKey};
+use selection_policy::RouterConfig;
+use service_builder::{
+    CoreConfig, ErrorKind, Lifecycle, PartitionKey, PromptInput, PromptQuery, ReservationRequest,
+    SelectRequest, SelectionCore, WorkerPatch, WorkerRequest,
+};
+
+const BLOCK: u32 = 4;
+
+fn approx_config() -> CoreConfig {
+    CoreConfig {
+        router: RouterConfig {
+            use_kv_events: false,
+            ..RouterConfig::default()
+        },
+        rng_seed: Some(7),
+        ..CoreConfig::default()
+    }
+}
+
+fn core(config: CoreConfig) -> Arc<SelectionCore> {
+    SelectionCore::try_new_local(config, None).expect("valid config")
+}
+
+fn worker(id: u64) -> WorkerRequest {
+    WorkerRequest {
+        endpoint: Some(format!("http://10.0.0.{id}:8000")),
+        block_size: Some(BLOCK),
+        ..WorkerRequest::new(id)
+    }
+}
+
+fn tokens(n: u32) -> PromptInput {
+    PromptInput {
+        token_ids: Some((0..n).collect()),
+        ..PromptInput::default()
+    }
+}
+
+fn select(prompt: PromptInput) -> SelectRequest {
+    SelectRequest {
+        prompt,
+        ..SelectRequest::default()
+    }
+}
+
+fn hash_only(blocks: Vec<u64>, seqs: Vec<u64>, isl: Option<u64>) -> PromptInput {
+    PromptInput {
+        block_hashes: Some(blocks),
+        sequence_hashes: Some(seqs),
+        isl_tokens: isl,
+        ..PromptInput::default()
+    }
+}
+
+#[test]
+fn not_ready_until_a_complete_worker_registers() {
+    let c = core(approx_config());
+    let err = c.select(select(tokens(8))).unwrap_err();
+    assert_eq!(
+        (err.status_code(), err.message()),
+        (503, "no schedulable workers are available")
+    );
+    let incomplete = c.upsert_worker(WorkerRequest::new(9)).unwrap();
+    assert_eq!(incomplete.lifecycle, Lifecycle::Incomplete);
+    assert_eq!(
+        incomplete.not_schedulable_reasons,
+        ["endpoint is required", "block_size must be greater than 0"]
+    );
+    assert!(!c.ready().ready);
+    c.upsert_worker(worker(1)).unwrap();
+    assert!(c.ready().ready);
+    let other = SelectRequest {
+        partition: PartitionKey::new("other", "default"),
+        ..select(tokens(8))
+    };
+    let err = c.select(other).unwrap_err();
+    assert_eq!(
+        err.message(),
+        "no schedulable workers for model=other routing_group=default"
+    );
+}
+
+#[test]
+fn block_size_mismatch_makes_the_later_worker_incomplete() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    let r = c
+        .upsert_worker(WorkerRequest {
+            block_size: Some(16),
+            ..worker(2)
+        })
+        .unwrap();
+    assert_eq!(r.lifecycle, Lifecycle::Incomplete);
+    assert_eq!(
+        r.not_schedulable_reasons,
+        [
+            "reconciliation failed: block_size mismatch for model=default routing_group=default: existing=4 requested=16"
+        ]
+    );
+}
+
+#[test]
+fn data_parallel_size_over_the_limit_is_rejected_and_changes_nothing() {
+    let c = core(approx_config());
+    let err = c
+        .upsert_worker(WorkerRequest {
+            data_parallel_size: Some(4097),
+            ..worker(1)
+        })
+        .unwrap_err();
+    assert_eq!(
+        (err.status_code(), err.message()),
+        (400, "data_parallel_size 4097 exceeds the maximum 4096")
+    );
+    assert!(c.list_workers(None, None).is_empty());
+}
+
+#[test]
+fn select_and_reserve_books_load_and_free_releases_it() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    let req = SelectRequest {
+        selection_id: Some("r1".into()),
+        ..select(tokens(10))
+    };
+    let resp = c.select_and_reserve(req.clone()).unwrap();
+    assert_eq!(resp.selection_id.as_deref(), Some("r1"));
+    assert_eq!(resp.isl_tokens, Some(10));
+    assert_eq!(resp.sequence_hashes.as_ref().map(Vec::len), Some(2));
+    assert_eq!(resp.effective_prefill_tokens, 10);
+    // 2 tracked blocks + the partial tail block.
+    assert_eq!(resp.potential_decode_blocks, 3);
+    let loads = c.loads(None, None);
+    assert_eq!(loads[0].loads[0].active_requests, 1);
+    assert_eq!(loads[0].loads[0].potential_prefill_tokens, 10);
+    assert_eq!(loads[0].loads[0].potential_decode_blocks, 2);
+
+    let dup = c.select_and_reserve(req).unwrap_err();
+    assert_eq!(
+        (dup.status_code(), dup.message()),
+        (409, "selection r1 is already reserved or being reserved")
+    );
+
+    c.prefill_complete("r1").unwrap();
+    c.prefill_complete("r1").unwrap();
+    assert_eq!(c.loads(None, None)[0].loads[0].potential_prefill_tokens, 0);
+    c.add_output_block("r1", Some(0.5)).unwrap();
+    let bad = c.add_output_block("r1", Some(1.5)).unwrap_err();
+    assert_eq!(
+        (bad.status_code(), bad.message()),
+        (400, "decay_fraction must be between 0.0 and 1.0")
+    );
+    c.free_reservation("r1").unwrap();
+    assert_eq!(c.loads(None, None)[0].loads[0].active_requests, 0);
+    let gone = c.free_reservation("r1").unwrap_err();
+    assert_eq!(
+        (gone.status_code(), gone.message()),
+        (404, "reservation r1 not found")
+    );
+    assert_eq!(c.reservation_count(), 0);
+}
+
+#[test]
+fn generated_selection_ids_are_uuid_v4() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    let id = c
+        .select_and_reserve(select(tokens(4)))
+        .unwrap()
+        .selection_id
+        .unwrap();
+    assert_eq!(id.len(), 36);
+    assert_eq!(id.as_bytes()[14], b'4');
+    assert!(
+        id.chars()
+            .all(|ch| ch == '-' || ch.is_ascii_hexdigit() && !ch.is_ascii_uppercase())
+    );
+}
+
+#[test]
+fn approximate_mode_records_bookings_and_steers_the_next_request() {
+    let c = core(approx_config());
+    for id in 1..=4 {
+        c.upsert_worker(worker(id)).unwrap();
+    }
+    let first = c.select_and_reserve(select(tokens(64))).unwrap();
+    // While its prefill is charged the cache credit exactly offsets it (a tie); once the
+    // prefill completes the cached worker is strictly cheaper.
+    c.prefill_complete(first.selection_id.as_deref().unwrap())
+        .unwrap();
+    let again = c.select(select(tokens(64))).unwrap();
+    // The recorded decision gives the first worker 16 cached blocks: it wins despite load.
+    assert_eq!(again.worker_id, first.worker_id);
+    assert_eq!(again.overlap.gpu, 64);
+    assert_eq!(again.effective_prefill_tokens, 0);
+}
+
+#[test]
+fn replay_books_exactly_what_select_cached_once() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    c.upsert_worker(worker(2)).unwrap();
+    let sel = c
+        .select(SelectRequest {
+            selection_id: Some("s1".into()),
+            ..select(tokens(12))
+        })
+        .unwrap();
+    assert_eq!(
+        c.loads(None, None)[0]
+            .loads
+            .iter()
+            .map(|l| l.active_requests)
+            .sum::<u64>(),
+        0
+    );
+    let replay = ReservationRequest {
+        selection_id: "s1".into(),
+        ..ReservationRequest::default()
+    };
+    let booked = c.create_reservation(replay.clone()).unwrap();
+    assert_eq!(
+        (booked.worker_id, booked.dp_rank),
+        (sel.worker_id, sel.dp_rank)
+    );
+    let again = c.create_reservation(replay).unwrap_err();
+    assert_eq!(
+        (again.status_code(), again.message()),
+        (
+            404,
+            "no pending selection s1 for model=default routing_group=default (expired, already used, or never selected)"
+        )
+    );
+    let row = c.loads(None, None)[0]
+        .loads
+        .iter()
+        .find(|l| l.worker_id == sel.worker_id)
+        .copied()
+        .unwrap();
+    assert_eq!((row.active_requests, row.potential_prefill_tokens), (1, 12));
+}
+
+#[test]
+fn explicit_reservation_validates_before_claiming() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    let base = ReservationRequest {
+        selection_id: "e1".into(),
+        worker_id: Some(1),
+        prompt: PromptInput {
+            sequence_hashes: Some(vec![21, 22]),
+            isl_tokens: Some(40),
+            ..PromptInput::default()
+        },
+        effective_prefill_tokens: Some(8),
+        ..ReservationRequest::default()
+    };
+    let too_much = ReservationRequest {
+        effective_prefill_tokens: Some(41),
+        ..base.clone()
+    };
+    let e = c.create_reservation(too_much).unwrap_err();
+    assert_eq!(
+        e.message(),
+        "effective_prefill_tokens (41) must not exceed isl_tokens (40)"
+    );
+    let unknown = ReservationRequest {
+        worker_id: Some(5),
+        ..base.clone()
+    };
+    let e = c.create_reservation(unknown).unwrap_err();
+    assert_eq!(
+        (e.status_code(), e.message()),
+        (
+            404,
+            "schedulable worker 5 not found for model=default routing_group=default"
+        )
+    );
+    let bad_rank = ReservationRequest {
+        dp_rank: Some(3),
+        ..base.clone()
+    };
+    assert_eq!(
+        c.create_reservation(bad_rank).unwrap_err().status_code(),
+        404
+    );
+    assert_eq!(c.reservation_count(), 0);
+
+    // In approximate mode supplied block hashes must match the tracking hashes.
+    let mismatched = ReservationRequest {
+        prompt: hash_only(vec![], vec![21, 22], Some(40)),
+        ..base.clone()
+    };
+    let e = c.create_reservation(mismatched).unwrap_err();
+    assert_eq!(
+        e.message(),
+        "block_hashes length 0 must match sequence_hashes length 2"
+    );
+
+    let ok = c.create_reservation(base.clone()).unwrap();
+    assert_eq!(
+        (ok.worker_id, ok.dp_rank, ok.endpoint.as_str()),
+        (1, 0, "http://10.0.0.1:8000")
+    );
+    assert_eq!(c.loads(None, None)[0].loads[0].potential_prefill_tokens, 8);
+    assert_eq!(
+        c.create_reservation(base).unwrap_err().kind(),
+        ErrorKind::Conflict
+    );
+}
+
+#[test]
+fn hash_only_prompts_are_validated_in_order() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    let cases = [
+        (
+            PromptInput {
+                sequence_hashes: Some(vec![1]),
+                isl_tokens: Some(4),
+                ..PromptInput::default()
+            },
+            "block_hashes is required without token_ids",
+        ),
+        (
+            PromptInput {
+                block_hashes: Some(vec![1]),
+                isl_tokens: Some(4),
+                ..PromptInput::default()
+            },
+            "sequence_hashes is required without token_ids",
+        ),
+        (
+            hash_only(vec![1], vec![1], None),
+            "isl_tokens is required without token_ids",
+        ),
+        (
+            hash_only(vec![1], vec![1], Some(0)),
+            "isl_tokens must be greater than 0",
+        ),
+        (
+            hash_only(vec![1, 2], vec![1], Some(8)),
+            "block_hashes length 2 must match sequence_hashes length 1",
+        ),
+    ];
+    for (prompt, msg) in cases {
+        let e = c.select(select(prompt)).unwrap_err();
+        assert_eq!((e.status_code(), e.message()), (400, msg));
+    }
+}
+
+#[test]
+fn pinned_worker_must_be_allowed() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    c.upsert_worker(worker(2)).unwrap();
+    let req = SelectRequest {
+        pinned_worker: Some(WorkerKey::new(2, 0)),
+        allowed_worker_ids: Some(vec![1]),
+        ..select(tokens(8))
+    };
+    let e = c.select(req).unwrap_err();
+    assert_eq!(
+        (e.status_code(), e.message()),
+        (400, "pinned worker 2 is not in allowed worker set")
+    );
+    let pinned = SelectRequest {
+        pinned_worker: Some(WorkerKey::new(2, 0)),
+        ..select(tokens(8))
+    };
+    assert_eq!(c.select(pinned).unwrap().worker_id, 2);
+    let allowed = SelectRequest {
+        allowed_worker_ids: Some(vec![1]),
+        ..select(tokens(8))
+    };
+    assert_eq!(c.select(allowed).unwrap().worker_id, 1);
+}
+
+#[test]
+fn delete_drops_bookings_and_the_id_is_reusable() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("d1".into()),
+        ..select(tokens(8))
+    })
+    .unwrap();
+    let deleted = c.delete_worker(1).unwrap();
+    assert_eq!(deleted.lifecycle, Lifecycle::Unschedulable);
+    assert_eq!(c.prefill_complete("d1").unwrap_err().status_code(), 404);
+    assert_eq!(
+        c.delete_worker(1).unwrap_err().message(),
+        "worker 1 not found"
+    );
+    assert_eq!(c.loads(None, None).len(), 1, "the partition persists");
+    c.upsert_worker(worker(1)).unwrap();
+}
+
+#[test]
+fn patch_merges_and_cannot_be_applied_to_unknown_workers() {
+    let c = core(approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    let r = c
+        .patch_worker(
+            1,
+            WorkerPatch {
+                total_kv_blocks: Some(8192),
+                ..WorkerPatch::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(r.worker.total_kv_blocks, Some(8192));
+    assert_eq!(r.worker.block_size, Some(BLOCK));
+    assert_eq!(
+        c.patch_worker(3, WorkerPatch::default())
+            .unwrap_err()
+            .status_code(),
+        404
+    );
+}
+
+#[test]
+fn expiry_reclaims_old_bookings() {
+    let config = CoreConfig {
+        active_request_expiry: Duration::from_millis(1),
+        ..approx_config()
+    };
+    let c = core(config);
+    c.upsert_worker(worker(1)).unwrap();
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("x".into()),
+        ..select(tokens(8))
+    })
+    .unwrap();
+    assert_eq!(c.expire(Instant::now() + Duration::from_secs(1)), 1);
+    assert_eq!(c.reservation_count(), 0);
+    assert_eq!(c.loads(None, None)[0].loads[0].active_requests, 0);
+}
+
+#[test]
+fn reservation_cap_rejects_with_429_and_changes_nothing() {
+    let config = CoreConfig {
+        max_active_reservations: Some(1),
+        ..approx_config()
+    };
+    let c = core(config);
+    c.upsert_worker(worker(1)).unwrap();
+    c.select_and_reserve(select(tokens(8))).unwrap();
+    let e = c.select_and_reserve(select(tokens(8))).unwrap_err();
+    assert_eq!(e.status_code(), 429);
+    assert_eq!(c.loads(None, None)[0].loads[0].active_requests, 1);
+}
+
+#[test]
+fn potential_loads_and_overlap_scores_cover_every_rank() {
+    let c = core(approx_config());
+    c.upsert_worker(WorkerRequest {
+        data_parallel_size: Some(2),
+        ..worker(7)
+    })
+    .unwrap();
+    let q = PromptQuery {
+        prompt: tokens(16),
+        ..PromptQuery::default()
+    };
+    let loads = c.potential_loads(&q).unwrap();
+    assert_eq!(loads.len(), 2);
+    assert!(
+        loads
+            .iter()
+            .all(|l| l.potential_prefill_tokens == 16 && l.potential_decode_blocks == 4)
+    );
+    let scores = c.overlap_scores(&q).unwrap();
+    assert_eq!(
+        (scores.block_size, scores.num_blocks, scores.workers.len()),
+        (BLOCK, 4, 2)
+    );
+}
+
+// ------------------------------------------------------------ KV events over ZMQ
+
+fn encode_stored_batch(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
+    let mut b = Vec::new();
+    rmp::encode::write_array_len(&mut b, 3).unwrap();
+    rmp::encode::write_f64(&mut b, 1.5).unwrap();
+    rmp::encode::write_array_len(&mut b, 1).unwrap();
+    rmp::encode::write_array_len(&mut b, 7).unwrap();
+    rmp::encode::write_str(&mut b, "BlockStored").unwrap();
+    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
+    for &h in hashes {
+        rmp::encode::write_uint(&mut b, h).unwrap();
+    }
+    match parent {
+        Some(p) => rmp::encode::write_uint(&mut b, p).map(|_| ()).unwrap(),
+        None => rmp::encode::write_nil(&mut b).unwrap(),
+    }
+    rmp::encode::write_array_len(&mut b, tokens.len() as u32).unwrap();
+    for &t in tokens {
+        rmp::encode::write_uint(&mut b, u64::from(t)).unwrap();
+    }
+    rmp::encode::write_uint(&mut b, u64::from(BLOCK)).unwrap();
+    rmp::encode::write_nil(&mut b).unwrap();
+    rmp::encode::write_str(&mut b, "GPU").unwrap();
+    rmp::encode::write_nil(&mut b).unwrap();
+    b
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn engine_events_over_zmq_steer_selection() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let port = free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    publisher.bind(&endpoint).unwrap();
+
+    let config = CoreConfig {
+        rng_seed: Some(3),
+        ..CoreConfig::default()
+    };
+    let c = core(config);
+    for id in 1..=3u64 {
+        let ep = if id == 2 {
+            endpoint.clone()
+        } else {
+            format!("tcp://127.0.0.1:{}", free_port())
+        };
+        let r = c
+            .upsert_worker(WorkerRequest {
+                kv_events_endpoint: Some(ep),
+                ..worker(id)
+            })
+            .unwrap();
+        assert_eq!(
+            r.lifecycle,
+            Lifecycle::Schedulable,
+            "{:?}",
+            r.not_schedulable_reasons
+        );
+    }
+    let prompt: Vec<u32> = (0..32).collect();
+    let payload = encode_stored_batch(&(1000..1008).collect::<Vec<_>>(), None, &prompt);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seq = 0u64;
+    let chosen = loop {
+        // PUB/SUB joins late: republish until the listener has applied a batch.
+        publisher
+            .send_multipart([&b""[..], &seq.to_be_bytes()[..], &payload[..]], 0)
+            .unwrap();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(50));
+        let resp = c
+            .select(select(PromptInput {
+                token_ids: Some(prompt.clone()),
+                ..PromptInput::default()
+            }))
+            .unwrap();
+        if resp.overlap.gpu > 0 || Instant::now() > deadline {
+            break resp;
+        }
+    };
+    assert_eq!(chosen.worker_id, 2);
+    assert_eq!(chosen.overlap.gpu, 32);
+    assert_eq!(chosen.effective_prefill_tokens, 0);
+    let mut expected = Vec::new();
+    kv_types::block_hashes_into(&prompt, BLOCK, &HashOptions::default(), &mut expected);
+    let dump = c.index_snapshot();
+    let ops = &dump[0].2;
+    let stored: BTreeMap<u64, u64> = ops
+        .iter()
+        .flat_map(|op| match &op.kind {
+            kv_types::KvOperationKind::Stored { blocks, .. } => blocks
+                .iter()
+                .map(|b| (b.block_hash.0, b.tokens_hash.0))
+                .collect::<Vec<_>>(),
+            _ => vec![],
+        })
+        .collect();
+    assert_eq!(stored.len(), 8);
+    assert_eq!(
+        stored.values().copied().collect::<Vec<_>>().len(),
+        expected.len()
+    );
+    assert!(c.listener_watermark(WorkerKey::new(2, 0)).is_some());
+
+    // Deleting the worker stops its listener and drops its blocks.
+    c.delete_worker(2).unwrap();
+    assert!(c.index_snapshot()[0].2.is_empty());
+    c.shutdown();
+}
+
+// ------------------------------------------------------------ session affinity
+
+fn affinity_core() -> Arc<SelectionCore> {
+    core(CoreConfig {
+        session_affinity_ttl: Some(Duration::from_secs(60)),
+        ..approx_config()
+    })
+}
+
+fn with_session(sid: &str, n: u32) -> SelectRequest {
+    SelectRequest {
+        session_id: Some(sid.into()),
+        ..select(tokens(n))
+    }
+}
+
+#[test]
+fn a_booked_session_sticks_to_its_worker() {
+    let c = affinity_core();
+    for id in 1..=4 {
+        c.upsert_worker(worker(id)).unwrap();
+    }
+    let first = c.select_and_reserve(with_session("chat-1", 400)).unwrap();
+    // Different prompts would normally spread over idle workers; the binding wins.
+    for n in [8, 16, 24] {
+        let next = c.select_and_reserve(with_session("chat-1", n)).unwrap();
+        assert_eq!(
+            (next.worker_id, next.dp_rank),
+            (first.worker_id, first.dp_rank)
+        );
+        let read = c.select(with_session("chat-1", n)).unwrap();
+        assert_eq!(read.worker_id, first.worker_id);
+    }
+    // A pin overrides the session entirely.
+    let other = (first.worker_id % 4) + 1;
+    let pinned = SelectRequest {
+        pinned_worker: Some(WorkerKey::new(other, 0)),
+        ..with_session("chat-1", 8)
+    };
+    assert_eq!(c.select_and_reserve(pinned).unwrap().worker_id, other);
+}
+
+#[test]
+fn a_session_bound_elsewhere_fails_the_booking_with_400_and_frees_it() {
+    let c = affinity_core();
+    c.upsert_worker(worker(1)).unwrap();
+    c.upsert_worker(worker(2)).unwrap();
+    let first = c
+        .select_and_reserve(SelectRequest {
+            allowed_worker_ids: Some(vec![1]),
+            ..with_session("s", 8)
+        })
+        .unwrap();
+    assert_eq!(first.worker_id, 1);
+    let e = c
+        .select_and_reserve(SelectRequest {
+            selection_id: Some("x".into()),
+            allowed_worker_ids: Some(vec![2]),
+            ..with_session("s", 8)
+        })
+        .unwrap_err();
+    assert_eq!(
+        (e.status_code(), e.message()),
+        (400, "session s is bound to worker 1, not 2")
+    );
+    assert_eq!(c.free_reservation("x").unwrap_err().status_code(), 404);
+    let w2 = c.loads(None, None)[0]
+        .loads
+        .iter()
+        .find(|l| l.worker_id == 2)
+        .copied()
+        .unwrap();
+    assert_eq!(w2.active_requests, 0, "the failed booking was rolled back");
+    // The stale binding was dropped: the session re-initializes on its next request.
+    let again = c
+        .select_and_reserve(SelectRequest {
+            allowed_worker_ids: Some(vec![2]),
+            ..with_session("s", 8)
+        })
+        .unwrap();
+    assert_eq!(again.worker_id, 2);
+}
+
+#[test]
+fn a_binding_to_a_deleted_worker_is_dropped() {
+    let c = affinity_core();
+    c.upsert_worker(worker(1)).unwrap();
+    c.upsert_worker(worker(2)).unwrap();
+    let first = c.select_and_reserve(with_session("s", 8)).unwrap();
+    c.delete_worker(first.worker_id).unwrap();
+    let next = c.select_and_reserve(with_session("s", 8)).unwrap();
+    assert_ne!(next.worker_id, first.worker_id);
+}
+
+#[test]
+fn long_session_ids_are_rejected() {
+    let c = affinity_core();
+    c.upsert_worker(worker(1)).unwrap();
+    let e = c
+        .select_and_reserve(with_session(&"x".repeat(257), 8))
+        .unwrap_err();
+    assert_eq!(
+        (e.status_code(), e.message()),
+        (400, "session affinity ID must not exceed 256 bytes")
+    );
+    assert_eq!(c.reservation_count(), 0);
+}
+
+#[test]
+fn replay_binds_the_cached_session() {
+    let c = affinity_core();
+    for id in 1..=3 {
+        c.upsert_worker(worker(id)).unwrap();
+    }
+    let sel = c
+        .select(SelectRequest {
+            selection_id: Some("q1".into()),
+            ..with_session("s", 8)
+        })
+        .unwrap();
+    c.create_reservation(ReservationRequest {
+        selection_id: "q1".into(),
+        ..ReservationRequest::default()
+    })
+    .unwrap();
+    let next = c.select_and_reserve(with_session("s", 200)).unwrap();
+    assert_eq!(next.worker_id, sel.worker_id);
+    assert_eq!(c.session_count(), 1);
+}
+
+// ------------------------------------------------------------ discovery, plugins, soak
+
+#[test]
+fn discovery_snapshots_upsert_changes_and_delete_departures() {
+    let c = core(approx_config());
+    let mut r = service_builder::CatalogReconciler::new(Arc::clone(&c));
+    r.apply(vec![worker(1), worker(2)]).unwrap();
+    assert_eq!(c.ready().schedulable_workers, 2);
+    r.apply(vec![
+        worker(2),
+        WorkerRequest {
+            total_kv_blocks: Some(9),
+            ..worker(3)
+        },
+    ])
+    .unwrap();
+    let ids: Vec<u64> = c
+        .list_workers(None, None)
+        .iter()
+        .map(|w| w.worker.worker_id)
+        .collect();
+    assert_eq!(ids, [2, 3]);
+    let dup = r.apply(vec![worker(4), worker(4)]).unwrap_err();
+    assert_eq!(
+        dup.message(),
+        "duplicate worker_id 4 in membership snapshot"
+    );
+    assert_eq!(
+        c.list_workers(None, None).len(),
+        2,
+        "a rejected snapshot changes nothing"
+    );
+}
+
+#[test]
+fn a_custom_scorer_registered_through_the_factory_changes_the_choice() {
+    use selection_policy::{Policy, PoolLabel, RouterConfig, TemperaturePicker};
+    let factory: service_builder::PolicyFactory =
+        Arc::new(|cfg: &RouterConfig, _: &PartitionKey| {
+            Policy::new(
+                cfg,
+                vec![
+                    Box::new(selection_policy::DefaultScorer::new(
+                        cfg,
+                        PoolLabel::default(),
+                    )),
+                    Box::new(custom_scorer::FewestActiveRequests::new("batch", 1000.0).unwrap()),
+                ],
+                Box::new(TemperaturePicker::new(cfg)),
+            )
+        });
+    let c = SelectionCore::try_new_local(approx_config(), Some(factory)).unwrap();
+    c.upsert_worker(worker(1)).unwrap();
+    c.upsert_worker(worker(2)).unwrap();
+    // Worker 1 holds the prompt (recorded decision) and one active request.
+    let prompt = || PromptInput {
+        token_ids: Some((0..64).collect()),
+        ..PromptInput::default()
+    };
+    let first = c
+        .select_and_reserve(SelectRequest {
+            pinned_worker: Some(WorkerKey::new(1, 0)),
+            ..select(prompt())
+        })
+        .unwrap();
+    c.prefill_complete(first.selection_id.as_deref().unwrap())
+        .unwrap();
+    let default_class = c.select(select(prompt())).unwrap();
+    assert_eq!(default_class.worker_id, 1, "cache wins for other classes");
+    let batch = SelectRequest {
+        policy_class: Some("batch".into()),
+        ..select(prompt())
+    };
+    assert_eq!(
+        c.select(batch).unwrap().worker_id,
+        2,
+        "the custom scorer avoids the busy worker"
+    );
+}
+
+#[test]
+fn soak_concurrent_bookings_leave_nothing_behind() {
+    let c = core(approx_config());
+    for id in 1..=8 {
+        c.upsert_worker(worker(id)).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    let threads: Vec<_> = (0..4u32)
+        .map(|t| {
+            let c = Arc::clone(&c);
+            std::thread::spawn(move || {
+                let mut done = 0u32;
+                while Instant::now() < deadline && done < 20_000 {
+                    let id = format!("t{t}-{done}");
+                    let req = SelectRequest {
+                        selection_id: Some(id.clone()),
+                        ..select(tokens(16 + (done % 7) * 8))
+                    };
+                    c.select_and_reserve(req).unwrap();
+                    if done.is_multiple_of(3) {
+                        c.prefill_complete(&id).unwrap();
+                    }
+                    c.add_output_block(&id, None).unwrap();
+                    c.free_reservation(&id).unwrap();
+                    done += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    let total: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(total > 0);
+    assert_eq!(c.reservation_count(), 0);
+    for row in &c.loads(None, None)[0].loads {
+        assert_eq!(
+            (
+                row.active_requests,
+                row.potential_prefill_tokens,
+                row.potential_decode_blocks
+            ),
+            (0, 0, 0),
+            "{row:?}"
+        );
+    }
+}
+
+// ------------------------------------------------------------ replica mesh
+
+fn start_replica(port: u16, peer: u16) -> service_builder::SelectionService {
+    let config = CoreConfig {
+        session_affinity_ttl: Some(Duration::from_secs(60)),
+        ..approx_config()
+    };
+    service_builder::SelectionServiceBuilder::new(config)
+        .replica_sync(service_builder::ReplicaSyncConfig {
+            host: "127.0.0.1".into(),
+            port: Some(port),
+            peers: vec![format!("tcp://127.0.0.1:{peer}")],
+        })
+        .build()
+        .unwrap()
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn replicas_share_bookings_lifecycle_and_sessions() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let (pa, pb) = (free_port(), free_port());
+    let a = start_replica(pa, pb);
+    let b = start_replica(pb, pa);
+    for s in [&a, &b] {
+        for id in 1..=4 {
+            s.core().upsert_worker(worker(id)).unwrap();
+        }
+    }
+    let active = |s: &service_builder::SelectionService| -> u64 {
+        s.core().loads(None, None)[0]
+            .loads
+            .iter()
+            .map(|l| l.active_requests)
+            .sum()
+    };
+    // PUB/SUB joins asynchronously: probe each direction with throwaway bookings.
+    let mut probe = 0;
+    for (from, to) in [(&a, &b), (&b, &a)] {
+        wait_until("the mesh to connect", || {
+            let id = format!("probe-{probe}");
+            probe += 1;
+            from.core()
+                .select_and_reserve(SelectRequest {
+                    selection_id: Some(id.clone()),
+                    ..select(tokens(8))
+                })
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(30));
+            let seen = active(to) > 0;
+            from.core().free_reservation(&id).unwrap();
+            seen
+        });
+    }
+    wait_until("probe frees to propagate", || active(&a) == 0);
+    wait_until("probe frees to propagate", || active(&b) == 0);
+
+    let booked = a
+        .core()
+        .select_and_reserve(SelectRequest {
+            selection_id: Some("r1".into()),
+            ..with_session("chat", 64)
+        })
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while active(&b) != 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        active(&b),
+        1,
+        "B: {:?} {:?} A: {:?}",
+        b.core().replica_stats().dropped_rows(),
+        b.core().replica_mesh_stats(),
+        a.core().replica_mesh_stats()
+    );
+    let row = b.core().loads(None, None)[0]
+        .loads
+        .iter()
+        .find(|l| l.active_requests == 1)
+        .copied()
+        .unwrap();
+    assert_eq!(
+        (row.worker_id, row.potential_prefill_tokens),
+        (booked.worker_id, booked.effective_prefill_tokens)
+    );
+    // The mirrored booking occupies the id on B.
+    let dup = b
+        .core()
+        .select_and_reserve(SelectRequest {
+            selection_id: Some("r1".into()),
+            ..select(tokens(8))
+        })
+        .unwrap_err();
+    assert_eq!(dup.status_code(), 409);
+    // The session bound on A steers B.
+    wait_until("the binding to reach B", || b.core().session_count() == 1);
+    assert_eq!(
+        b.core().select(with_session("chat", 8)).unwrap().worker_id,
+        booked.worker_id
+    );
+
+    a.core().prefill_complete("r1").unwrap();
+    wait_until("prefill completion to reach B", || {
+        b.core().loads(None, None)[0]
+            .loads
+            .iter()
+            .all(|l| l.potential_prefill_tokens == 0)
+    });
+    // Lifecycle calls work on the mirrored copy and propagate back.
+    b.core().free_reservation("r1").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while active(&a) != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        active(&a),
+        0,
+        "A: {:?} {:?} B: {:?}",
+        a.core().replica_stats().dropped_rows(),
+        a.core().replica_mesh_stats(),
+        b.core().replica_mesh_stats()
+    );
+    assert!(
+        b.core()
+            .replica_stats()
+            .applied
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+
+    assert_eq!(a.core().replica_peers(), [format!("tcp://127.0.0.1:{pb}")]);
+    rt.block_on(async {
+        a.shutdown().await;
+        b.shutdown().await;
+    });
+}
+
+#[test]
+fn replica_peers_without_a_port_fail_the_build() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let err = service_builder::SelectionServiceBuilder::new(approx_config())
+        .replica_sync(service_builder::ReplicaSyncConfig {
+            host: "127.0.0.1".into(),
+            port: None,
+            peers: vec!["tcp://127.0.0.1:1".into()],
+        })
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "--replica-sync-peers requires --replica-sync-port"
+    );
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let err = service_builder::SelectionServiceBuilder::new(approx_config())
+        .replica_sync(service_builder::ReplicaSyncConfig {
+            host: "127.0.0.1".into(),
+            port: Some(port),
+            peers: vec![],
+        })
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("failed to bind replica-sync publisher"),
+        "{err}"
+    );
+}

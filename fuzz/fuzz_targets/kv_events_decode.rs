@@ -1,0 +1,22 @@
+//! Arbitrary bytes through the whole sans-IO path: live framing, batch decoding and the
+//! stateful normalizer (filters, namespace propagation, re-hashing). Must never panic.
+#![no_main]
+
+use kv_events::{Normalizer, decode::parse_live_frames, decode_batch};
+use kv_types::WorkerKey;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    // First byte picks a frame split so framing errors are exercised too.
+    let (split, rest) = data
+        .split_first()
+        .map_or((0, data), |(s, r)| (*s as usize, r));
+    let cut = split.min(rest.len());
+    let (seq, payload) = rest.split_at(cut);
+    let _ = parse_live_frames(&[b"", seq, payload]);
+    let _ = decode_batch(rest);
+    let mut n = Normalizer::new(WorkerKey::new(1, 0), 4);
+    let mut ops = Vec::new();
+    let _ = n.process_payload(rest, 0, &mut ops, |_| {});
+    let _ = n.process_payload(payload, 1, &mut ops, |_| {});
+});
