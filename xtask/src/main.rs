@@ -2,6 +2,8 @@
 //!
 //! - `ci`: everything CI checks, in order: fmt, clippy (`-D warnings`), tests, docs.
 //! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
+//! - `replay --trace PATH [...]`: trace-driven routing-quality simulation of the selection
+//!   policies (docs/routing-quality.md).
 //!
 //! Tidy checks (crate docs, layering, no `anyhow` in libraries, no environment reads in
 //! libraries) are `#[test]`s in `tidy.rs`, so `cargo test` runs them.
@@ -11,6 +13,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
+mod replay;
 #[cfg(test)]
 mod tidy;
 
@@ -35,11 +38,12 @@ fn run() -> Result<()> {
             a.extend(rest.iter().map(String::as_str));
             cargo(&a, &[])
         }
+        "replay" => replay::main(&rest),
         "" | "help" | "-h" | "--help" => {
-            eprintln!("usage: cargo xtask <ci | bench [criterion args]>");
+            eprintln!("usage: cargo xtask <ci | bench [criterion args] | replay --help>");
             Ok(())
         }
-        other => bail!("unknown task {other:?}; expected ci or bench"),
+        other => bail!("unknown task {other:?}; expected ci, bench or replay"),
     }
 }
 

@@ -1,0 +1,373 @@
+//! `cargo xtask replay`: trace-driven routing-quality simulation (docs/routing-quality.md).
+//!
+//! Requests of a Mooncake trace arrive in timestamp order on a simulated clock at an
+//! in-process [`service_builder::SelectionCore`]; simulated workers with a finite LRU KV
+//! cache publish their stored/removed blocks through `SelectionCore::apply_events` (the sink
+//! the ZMQ listeners feed), and bookings are completed at simulated times. Every policy goes
+//! through the same service path, so the comparison measures the policies only.
+
+mod plot;
+mod policies;
+mod report;
+mod sim;
+mod trace;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use rustc_hash::FxHashSet;
+
+use policies::{ALL, PolicySpec};
+use report::Summary;
+use sim::{SimSettings, TimingModel};
+
+/// Command-line options of `cargo xtask replay`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "cargo xtask replay",
+    about = "Replay a request trace against every policy"
+)]
+pub(crate) struct ReplayArgs {
+    /// Trace in the Mooncake JSONL format (shared/data/README.md).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Simulated workers (one DP rank each).
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// KV capacity of each worker, in engine blocks.
+    #[arg(long, conflicts_with = "kv_capacity_fraction")]
+    kv_capacity_blocks: Option<usize>,
+    /// Capacity of all workers together as a fraction of the replayed requests' distinct
+    /// blocks (default 0.4 when neither capacity flag is given).
+    #[arg(long)]
+    kv_capacity_fraction: Option<f64>,
+    /// Engine block size in tokens (a divisor of the trace's 512).
+    #[arg(long, default_value_t = 64)]
+    block_size: u32,
+    /// Policy to replay, repeatable: kv, round-robin, random, least-loaded, all, or a
+    /// variant such as `kv:credit=2,scale=0.5,temperature=0.1` or `kv-bounded:slack=1`.
+    #[arg(long, default_value = "all")]
+    policy: Vec<String>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Seed of the pickers' random source.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Output directory for report.md and the SVG plots (default: target/replay).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Simulated prefill throughput of one worker, tokens per second.
+    #[arg(long, default_value_t = 10_000.0)]
+    prefill_tokens_per_s: f64,
+    /// Simulated decode time per output token, milliseconds.
+    #[arg(long, default_value_t = 20.0)]
+    decode_ms_per_token: f64,
+}
+
+/// A parsed, validated replay.
+#[derive(Clone, Debug)]
+pub(crate) struct ReplayPlan {
+    pub(crate) trace: PathBuf,
+    pub(crate) workers: usize,
+    pub(crate) capacity: Capacity,
+    pub(crate) block_size: u32,
+    pub(crate) policies: Vec<PolicySpec>,
+    pub(crate) limit: Option<usize>,
+    pub(crate) seed: u64,
+    pub(crate) out: PathBuf,
+    pub(crate) timing: TimingModel,
+    pub(crate) progress: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Capacity {
+    PerWorkerBlocks(usize),
+    FractionOfDistinct(f64),
+}
+
+/// What a replay produced.
+#[derive(Debug)]
+pub(crate) struct ReplayOutcome {
+    pub(crate) summaries: Vec<Summary>,
+    pub(crate) report: PathBuf,
+    pub(crate) table: String,
+}
+
+/// `cargo xtask replay ARGS`.
+pub(crate) fn main(args: &[String]) -> Result<()> {
+    let parsed = ReplayArgs::try_parse_from(
+        std::iter::once("cargo xtask replay".to_owned()).chain(args.iter().cloned()),
+    );
+    let parsed = match parsed {
+        Ok(p) => p,
+        Err(e) if !e.use_stderr() => {
+            // --help / --version.
+            e.print().context("printing help")?;
+            return Ok(());
+        }
+        Err(e) => bail!("{e}"),
+    };
+    let plan = plan(parsed)?;
+    let outcome = run(&plan)?;
+    print_table(&outcome.table);
+    for s in outcome.summaries.iter().filter(|s| s.index_mismatches > 0) {
+        eprintln!(
+            "xtask replay: warning: {}: {} selections saw a cache the simulator did not hold",
+            s.label, s.index_mismatches
+        );
+    }
+    eprintln!(
+        "xtask replay: report written to {}",
+        outcome.report.display()
+    );
+    Ok(())
+}
+
+#[expect(
+    clippy::print_stdout,
+    reason = "the table on stdout is the command's output"
+)]
+fn print_table(table: &str) {
+    print!("{table}");
+}
+
+fn plan(a: ReplayArgs) -> Result<ReplayPlan> {
+    if a.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    if a.block_size == 0 || !trace::TRACE_BLOCK.is_multiple_of(a.block_size) {
+        bail!(
+            "--block-size must divide the trace's {} tokens",
+            trace::TRACE_BLOCK
+        );
+    }
+    let capacity = match (a.kv_capacity_blocks, a.kv_capacity_fraction) {
+        (Some(0), _) => bail!("--kv-capacity-blocks must be at least 1"),
+        (Some(b), _) => Capacity::PerWorkerBlocks(b),
+        (None, Some(f)) if !(f > 0.0 && f.is_finite()) => {
+            bail!("--kv-capacity-fraction must be a positive number")
+        }
+        (None, Some(f)) => Capacity::FractionOfDistinct(f),
+        (None, None) => Capacity::FractionOfDistinct(0.4),
+    };
+    for (flag, v) in [
+        ("--prefill-tokens-per-s", a.prefill_tokens_per_s),
+        ("--decode-ms-per-token", a.decode_ms_per_token),
+    ] {
+        if !(v.is_finite() && v >= 0.0) || (flag == "--prefill-tokens-per-s" && v == 0.0) {
+            bail!("{flag} must be a positive number");
+        }
+    }
+    let mut policies = Vec::new();
+    for p in &a.policy {
+        let one = [p.as_str()];
+        for name in if p == "all" { ALL } else { &one[..] } {
+            let spec = PolicySpec::parse(name)?;
+            if !policies.contains(&spec) {
+                policies.push(spec);
+            }
+        }
+    }
+    Ok(ReplayPlan {
+        trace: a.trace,
+        workers: a.workers,
+        capacity,
+        block_size: a.block_size,
+        policies,
+        limit: a.limit,
+        seed: a.seed,
+        out: a
+            .out
+            .unwrap_or_else(|| crate::root().join("target").join("replay")),
+        timing: TimingModel {
+            prefill_tokens_per_s: a.prefill_tokens_per_s,
+            decode_s_per_token: a.decode_ms_per_token / 1e3,
+        },
+        progress: true,
+    })
+}
+
+/// Runs every policy of `plan` and writes `report.md` and the plots into `plan.out`.
+pub(crate) fn run(plan: &ReplayPlan) -> Result<ReplayOutcome> {
+    let rows = trace::load(&plan.trace, plan.limit)?;
+    let prepared = trace::prepare(&rows, plan.block_size);
+    let distinct: FxHashSet<u64> = prepared
+        .iter()
+        .flat_map(|p| p.blocks.iter().map(|(_, s)| s.0))
+        .collect();
+    let capacity_blocks = match plan.capacity {
+        Capacity::PerWorkerBlocks(b) => b,
+        Capacity::FractionOfDistinct(f) => {
+            ((f * distinct.len() as f64) / plan.workers as f64).ceil() as usize
+        }
+    }
+    .max(1);
+    let settings = SimSettings {
+        workers: plan.workers,
+        capacity_blocks,
+        block_size: plan.block_size,
+        seed: plan.seed,
+        timing: plan.timing,
+    };
+    std::fs::create_dir_all(&plan.out)
+        .with_context(|| format!("creating {}", plan.out.display()))?;
+
+    let bar = if plan.progress {
+        let bar = indicatif::ProgressBar::new((rows.len() * plan.policies.len()) as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg:>24} [{bar:40}] {pos}/{len} requests ({eta} left)",
+            )
+            .context("progress template")?
+            .progress_chars("=> "),
+        );
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut runs = Vec::with_capacity(plan.policies.len());
+    for spec in &plan.policies {
+        bar.set_message(spec.label.clone());
+        runs.push(sim::run_policy(spec, &rows, &prepared, &settings, &bar)?);
+    }
+    bar.finish_and_clear();
+
+    let summaries: Vec<Summary> = runs.iter().map(|r| Summary::of(r, plan.workers)).collect();
+    let mut plots = vec!["hit_ratio.svg".to_owned(), "ttft_cdf.svg".to_owned()];
+    plot::hit_ratio(&plan.out.join("hit_ratio.svg"), &summaries)?;
+    plot::ttft_cdf(&plan.out.join("ttft_cdf.svg"), &runs)?;
+    for run in &runs {
+        let name = format!("load_{}.svg", file_safe(&run.label));
+        plot::load_over_time(&plan.out.join(&name), run, plan.workers)?;
+        plots.push(name);
+    }
+    let table = report::table(&summaries);
+    let doc = report::document(
+        &display_trace(&plan.trace),
+        distinct.len(),
+        &settings,
+        &summaries,
+        &plots,
+    );
+    let report = plan.out.join("report.md");
+    std::fs::write(&report, doc).with_context(|| format!("writing {}", report.display()))?;
+    Ok(ReplayOutcome {
+        summaries,
+        report,
+        table,
+    })
+}
+
+fn display_trace(p: &Path) -> String {
+    p.file_name()
+        .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into())
+}
+
+/// `kv:credit=2,scale=0.5` -> `kv_credit-2_scale-0.5`.
+fn file_safe(label: &str) -> String {
+    label
+        .chars()
+        .map(|c| match c {
+            ':' | ',' => '_',
+            '=' => '-',
+            c if c.is_ascii_alphanumeric() || c == '.' || c == '-' => c,
+            _ => '_',
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conversation_trace() -> PathBuf {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/data/conversation_trace.jsonl");
+        assert!(
+            p.is_file(),
+            "the replay smoke test needs {} (shared/data beside the repository); it is \
+             missing",
+            p.display()
+        );
+        p
+    }
+
+    /// The CI smoke run of the issue: the first 2,000 conversation requests on 8 workers.
+    #[test]
+    fn replay_smoke_kv_beats_round_robin() {
+        let out = crate::root().join("target").join("replay-smoke-test");
+        let _ = std::fs::remove_dir_all(&out);
+        let plan = ReplayPlan {
+            trace: conversation_trace(),
+            workers: 8,
+            capacity: Capacity::FractionOfDistinct(0.4),
+            block_size: 64,
+            policies: vec![
+                PolicySpec::parse("kv").unwrap(),
+                PolicySpec::parse("round-robin").unwrap(),
+            ],
+            limit: Some(2_000),
+            seed: 42,
+            out: out.clone(),
+            timing: TimingModel {
+                prefill_tokens_per_s: 10_000.0,
+                decode_s_per_token: 0.02,
+            },
+            progress: false,
+        };
+        let outcome = run(&plan).unwrap();
+        let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+        assert!(report.contains("| kv |") && report.contains("| round-robin |"));
+        for svg in ["hit_ratio.svg", "ttft_cdf.svg", "load_kv.svg"] {
+            assert!(out.join(svg).is_file(), "{svg} missing");
+        }
+        let [kv, rr] = &outcome.summaries[..] else {
+            panic!("two summaries expected");
+        };
+        assert_eq!(kv.requests, 2_000);
+        assert_eq!(
+            kv.index_mismatches, 0,
+            "index and simulated caches diverged"
+        );
+        assert!(
+            kv.hit_ratio > rr.hit_ratio,
+            "kv {:.3} must beat round-robin {:.3}",
+            kv.hit_ratio,
+            rr.hit_ratio
+        );
+        assert!(kv.hit_ratio <= kv.bound_ratio + 1e-12);
+    }
+
+    #[test]
+    fn all_expands_and_variants_get_file_names() {
+        let a = ReplayArgs::try_parse_from([
+            "x",
+            "--trace",
+            "t.jsonl",
+            "--policy",
+            "all",
+            "--policy",
+            "kv:credit=2",
+        ])
+        .unwrap();
+        let p = plan(a).unwrap();
+        let labels: Vec<&str> = p.policies.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["kv", "round-robin", "random", "least-loaded", "kv:credit=2"]
+        );
+        assert_eq!(file_safe("kv:credit=2,scale=0.5"), "kv_credit-2_scale-0.5");
+        let both = ReplayArgs::try_parse_from([
+            "x",
+            "--trace",
+            "t",
+            "--kv-capacity-blocks",
+            "5",
+            "--kv-capacity-fraction",
+            "0.4",
+        ]);
+        assert!(both.is_err());
+    }
+}
