@@ -35,6 +35,7 @@
 pub mod backend;
 mod body;
 pub mod config;
+mod discovery;
 pub mod dto;
 mod recovery;
 mod routes;
@@ -43,6 +44,7 @@ mod service_backend;
 
 pub use backend::{ApiError, ApiResult, Backend, ErrorBody, QueueLimitKind};
 pub use body::BodyLimits;
+pub use discovery::WorkersFileWatcher;
 pub use recovery::recover_from_peers;
 pub use routes::{EdgeOptions, HttpResponse, POLICY_CLASS_HEADER, Routes, error_response, router};
 pub use server::{WorkersFileError, read_workers_file, serve};

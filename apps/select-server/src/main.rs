@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use select_server::config::ServerConfig;
 use select_server::{
-    Backend, EdgeOptions, build_service, read_workers_file, recover_from_peers, router, serve,
+    EdgeOptions, WorkersFileWatcher, build_service, recover_from_peers, router, serve,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -52,10 +52,6 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let initial_workers = match &cfg.workers_file {
-        Some(path) => read_workers_file(path)?,
-        None => Vec::new(),
-    };
 
     let backend = Arc::new(build_service(&cfg)?);
     // Before any worker (hence any KV listener) exists: recovered state first, live
@@ -66,13 +62,21 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
         std::time::Duration::from_secs(1),
     )
     .await;
-    for worker in initial_workers {
-        let id = worker.worker_id;
-        let record = backend
-            .upsert_worker(worker)
-            .await
-            .map_err(|e| anyhow::anyhow!("registering worker {id} from --workers-file: {e}"))?;
-        tracing::info!(worker_id = id, lifecycle = ?record.lifecycle, "registered worker from file");
+    // The workers file is the discovery source: applied once now (a bad file fails
+    // startup), then watched for changes until shutdown.
+    let (stop_watch, watch_stopped) = tokio::sync::oneshot::channel::<()>();
+    if let Some(path) = &cfg.workers_file {
+        let mut watcher =
+            WorkersFileWatcher::new(path.clone(), Arc::clone(backend.service().core()));
+        let (watcher, applied) = tokio::task::spawn_blocking(move || {
+            let r = watcher.apply_now();
+            (watcher, r)
+        })
+        .await?;
+        applied.with_context(|| format!("applying --workers-file {}", path.display()))?;
+        tokio::spawn(watcher.run(async {
+            let _ = watch_stopped.await;
+        }));
     }
 
     let addr = SocketAddr::new(cfg.host, cfg.port);
@@ -86,6 +90,7 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
         },
     );
     serve(listener, routes, shutdown_signal()).await?;
+    let _ = stop_watch.send(());
     backend.service().shutdown().await;
     tracing::info!("shut down");
     Ok(())

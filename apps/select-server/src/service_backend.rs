@@ -80,7 +80,7 @@ fn peer_error(e: &replica_sync::PeerError) -> ApiError {
     ApiError::new(status, e.to_string())
 }
 
-fn worker_request(r: WorkerRequest) -> service_builder::WorkerRequest {
+pub(crate) fn worker_request(r: WorkerRequest) -> service_builder::WorkerRequest {
     service_builder::WorkerRequest {
         worker_id: r.worker_id,
         model_name: r.model_name,
@@ -353,9 +353,14 @@ impl Backend for ServiceBackend {
 
     async fn select(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
         let r = select_request(req.prompt, req.options, req.advisory)?;
-        self.blocking(move |c| c.select(r))
-            .await
+        // Inline, not on the blocking pool: a selection without booking only takes brief
+        // parking_lot sections and costs tens of microseconds, less than the two thread
+        // hand-offs of `spawn_blocking`, which were the largest cost in the profile
+        // (docs/hot-path.md).
+        self.core()
+            .select(r)
             .map(selection_response)
+            .map_err(api_error)
     }
 
     async fn select_and_reserve(

@@ -18,13 +18,13 @@ use kv_types::{
 };
 use load_accounting::{BookRequest, Ledger, LedgerConfig, LedgerError, ReservationId, SlotPolicy};
 use parking_lot::{Mutex, RwLock};
-use rustc_hash::FxHashMap;
 use selection_policy::{
     CacheInputs, Candidate, Capacity, LoadInputs, PickRng, Policy, PolicyError, PoolLabel,
     RouterConfig, RouterConfigOverride, Scratch, Selection, SelectionContext, cached_tokens,
     preferred_taint_multiplier,
 };
 
+use crate::admission::{MAX_QUEUE_WAIT, PartitionQueue, Ticket, WaitOutcome, eligible};
 use crate::catalog::{
     Lifecycle, MAX_DATA_PARALLEL_SIZE, PartitionKey, WorkerCatalogRecord, WorkerPatch,
     WorkerRequest,
@@ -84,7 +84,8 @@ struct SelectScratch {
     blocks: Vec<BlockHash>,
     tracking: Vec<SequenceHash>,
     tiered: TieredMatches,
-    hits: FxHashMap<WorkerKey, TierHits>,
+    /// The tiered hits sorted by worker key.
+    hits: Vec<TierHits>,
     candidates: Vec<Candidate>,
     policy: Scratch,
 }
@@ -107,7 +108,14 @@ pub(crate) struct Partition {
     scratch: Mutex<Vec<SelectScratch>>,
     rng: Mutex<PickRng>,
     sessions: Option<SessionTable>,
+    /// When the booking path may next run the ledger's expiry scan.
+    next_expiry_check: Mutex<Instant>,
+    /// The admission queue, when a busy threshold enables queueing.
+    queue: Option<PartitionQueue>,
 }
+
+/// How often the booking path re-runs the expiry scan (the periodic task runs regardless).
+const EXPIRY_RECHECK: Duration = Duration::from_secs(30);
 
 impl Partition {
     pub(crate) fn ledger(&self) -> &Mutex<Ledger> {
@@ -255,6 +263,13 @@ impl SelectionCore {
             if let Some(mesh) = self.replica.write().take() {
                 mesh.shutdown();
             }
+            let partitions: Vec<Arc<Partition>> =
+                self.state.read().partitions.values().cloned().collect();
+            for p in partitions {
+                if let Some(q) = &p.queue {
+                    q.shut_down();
+                }
+            }
         }
     }
 
@@ -271,7 +286,7 @@ impl SelectionCore {
     }
 
     fn queueing_enabled(&self) -> bool {
-        false
+        selection_policy::PolicyClass::synthetic(&self.config.router).queueing_enabled()
     }
 
     // ---------------------------------------------------------------- replica sync
@@ -612,6 +627,8 @@ impl SelectionCore {
             workers: RwLock::new(Arc::new(BTreeMap::new())),
             scratch: Mutex::new(Vec::new()),
             rng: Mutex::new(PickRng::seeded(seed)),
+            next_expiry_check: Mutex::new(Instant::now()),
+            queue: PartitionQueue::new(selection_policy::PolicyClass::synthetic(router)),
             sessions: self
                 .config
                 .session_affinity_ttl
@@ -659,6 +676,7 @@ impl SelectionCore {
         }
         drop(ledger);
         *p.workers.write() = Arc::new(map);
+        self.recheck_queue(&p);
     }
 
     /// Stops a worker's listeners and drops what the index holds for it.
@@ -757,6 +775,9 @@ impl SelectionCore {
                 req.affinity_target = Some(affinity(target));
             }
         }
+        if !req.advisory {
+            self.admit(&partition, &req)?;
+        }
         let mut scratch = partition.scratch.lock().pop().unwrap_or_default();
         let result = self.schedule(&partition, &req, &mut scratch);
         let outcome = result.and_then(|(selection, isl, track, response_base)| {
@@ -834,6 +855,69 @@ impl SelectionCore {
         outcome
     }
 
+    /// Queue admission (§5): returns once the request may be scheduled. Waits on the
+    /// blocking pool while every eligible rank is busy.
+    fn admit(&self, partition: &Partition, req: &SelectRequest) -> Result<(), SelectionError> {
+        let Some(queue) = &partition.queue else {
+            return Ok(());
+        };
+        let ticket = Ticket::new(req.allowed_worker_ids.clone());
+        let arrival = selection_policy::Arrival {
+            payload: Arc::clone(&ticket),
+            class: 0,
+            isl: prompt_isl(&req.prompt),
+            best_cached_tokens: 0,
+            priority_jump: req.priority_jump,
+            strict_priority: req.strict_priority,
+            pinned: req.pinned_worker,
+            advisory: false,
+        };
+        let workers = Arc::clone(&partition.workers.read());
+        let offered = {
+            let ledger = partition.ledger.lock();
+            queue.offer(arrival, workers.len(), |class, w| {
+                any_rank_free(&workers, &ledger, class, w)
+            })
+        };
+        let queued = match offered {
+            Ok(None) => return Ok(()),
+            Ok(Some(t)) => t,
+            Err(rejected) => {
+                return Err(
+                    SelectionError::scheduler(429, rejected.to_string()).with_details(
+                        crate::RejectionDetails {
+                            policy_class: rejected.policy_class,
+                            limit_kind: rejected.limit_kind.as_str().to_owned(),
+                            current: rejected.current,
+                            limit: rejected.limit,
+                        },
+                    ),
+                );
+            }
+        };
+        match queued.wait(MAX_QUEUE_WAIT) {
+            WaitOutcome::Admitted => self.check_running(),
+            WaitOutcome::ShutDown => Err(SelectionError::scheduler(
+                503,
+                "endpoint subscriber shutdown",
+            )),
+            WaitOutcome::TimedOut => {
+                Err(SelectionError::scheduler(429, "request deadline exceeded"))
+            }
+        }
+    }
+
+    /// Lets queued requests through after a capacity change (free, prefill completion,
+    /// catalog change, periodic tick).
+    pub(crate) fn recheck_queue(&self, partition: &Partition) {
+        let Some(queue) = &partition.queue else {
+            return;
+        };
+        let workers = Arc::clone(&partition.workers.read());
+        let ledger = partition.ledger.lock();
+        queue.drain(|class, w| any_rank_free(&workers, &ledger, class, w));
+    }
+
     /// Holds a session for a booking, dropping bindings to departed workers (§8.3 step 1).
     fn hold_session<'p>(
         &self,
@@ -891,10 +975,11 @@ impl SelectionCore {
             .index
             .read()
             .find_tiered(&scratch.blocks, &mut scratch.tiered);
+        // Sorted like the candidates (ascending worker, rank): one merge walk, no hashing.
         scratch.hits.clear();
-        for h in scratch.tiered.hits() {
-            scratch.hits.insert(h.worker, *h);
-        }
+        scratch.hits.extend_from_slice(scratch.tiered.hits());
+        scratch.hits.sort_unstable_by_key(|h| h.worker);
+        let mut next_hit = 0;
         let (w_host, w_disk) = (router.host_cache_hit_weight, router.disk_cache_hit_weight);
         scratch.candidates.clear();
         {
@@ -919,7 +1004,13 @@ impl SelectionCore {
                     .sum();
                 for rank in r.dp_ranks() {
                     let key = WorkerKey::new(r.worker_id, rank);
-                    let hits = scratch.hits.get(&key).copied().unwrap_or_default();
+                    while scratch.hits.get(next_hit).is_some_and(|h| h.worker < key) {
+                        next_hit += 1;
+                    }
+                    let hits = match scratch.hits.get(next_hit) {
+                        Some(h) if h.worker == key => *h,
+                        _ => TierHits::default(),
+                    };
                     let cache = CacheInputs {
                         device_blocks: hits.device,
                         host_blocks: hits.host_pinned,
@@ -1200,7 +1291,15 @@ impl SelectionCore {
         };
         let now = Instant::now();
         let mut ledger = partition.ledger.lock();
-        let expired = ledger.expire(now);
+        // The expiry scan visits every booking: run it on the booking path at most every
+        // 30 s per partition (spec §6.7), not on every booking.
+        let expired = match partition.next_expiry_check.try_lock() {
+            Some(mut next) if now >= *next => {
+                *next = now + EXPIRY_RECHECK;
+                ledger.expire(now)
+            }
+            _ => Vec::new(),
+        };
         let booked = ledger.book(ReservationId::new(id), &req, slot, now);
         drop(ledger);
         self.metrics
@@ -1454,6 +1553,7 @@ impl SelectionCore {
             ledger.prefill_complete(id).map(|_| worker)
         };
         let worker = self.lifecycle_result(id, r)?;
+        self.recheck_queue(&partition);
         // Re-published on repeats too, so peers that missed it converge.
         if let Some(worker) = worker {
             self.publish_replica(crate::replica::sequence_event(
@@ -1492,6 +1592,7 @@ impl SelectionCore {
         let out = self.lifecycle_result(id, r);
         self.forget_row(id);
         let freed = out?;
+        self.recheck_queue(&partition);
         self.publish_replica(crate::replica::sequence_event(
             &partition,
             id,
@@ -1514,6 +1615,7 @@ impl SelectionCore {
                 t.reap(now);
             }
             p.index.write().expire(now, usize::MAX);
+            self.recheck_queue(p);
         }
         let mut rows = self.reservations.lock();
         rows.retain(|id, row| match row.state {
@@ -1594,8 +1696,8 @@ impl SelectionCore {
                     model_name: p.key.model_name.clone(),
                     routing_group: p.key.routing_group.clone(),
                     loads,
-                    pending_count: 0,
-                    pending_isl_tokens: 0,
+                    pending_count: p.queue.as_ref().map_or(0, |q| q.pending().0),
+                    pending_isl_tokens: p.queue.as_ref().map_or(0, |q| q.pending().1),
                 }
             })
             .collect()
@@ -2002,20 +2104,16 @@ fn session_of(req: &SelectRequest) -> Option<String> {
     }
 }
 
-fn overlap_summary(
-    worker: &WorkerRequest,
-    hits: &FxHashMap<WorkerKey, TierHits>,
-    block_size: u32,
-) -> OverlapSummary {
+fn overlap_summary(worker: &WorkerRequest, hits: &[TierHits], block_size: u32) -> OverlapSummary {
     let tokens = |blocks: u32| -> u32 {
         u32::try_from(u64::from(blocks) * u64::from(block_size)).unwrap_or(u32::MAX)
     };
     let mut s = OverlapSummary::default();
     for rank in worker.dp_ranks() {
+        let key = WorkerKey::new(worker.worker_id, rank);
         let h = hits
-            .get(&WorkerKey::new(worker.worker_id, rank))
-            .copied()
-            .unwrap_or_default();
+            .binary_search_by_key(&key, |h| h.worker)
+            .map_or_else(|_| TierHits::default(), |i| hits[i]);
         s.dp.insert(rank, tokens(h.device));
         s.gpu = s.gpu.max(tokens(h.gpu()));
         s.cpu = s.cpu.max(tokens(h.cpu()));
@@ -2098,4 +2196,31 @@ fn new_uuid_v4(seed: &AtomicU64) -> String {
         &h[16..20],
         &h[20..32]
     )
+}
+
+/// The queue gate: does the waiting request have an eligible rank that is not busy?
+fn any_rank_free(
+    workers: &BTreeMap<u64, WorkerEntry>,
+    ledger: &Ledger,
+    class: &selection_policy::PolicyClass,
+    w: &selection_policy::Waiting<Arc<Ticket>>,
+) -> bool {
+    workers.values().any(|entry| {
+        entry.record.dp_ranks().any(|rank| {
+            let key = WorkerKey::new(entry.record.worker_id, rank);
+            eligible(w, key) && {
+                let active = ledger.load(key).map_or(0, |l| l.active_prefill_tokens);
+                !class.is_busy(active, entry.record.max_num_batched_tokens)
+            }
+        })
+    })
+}
+
+/// The normalized ISL of a prompt (§3.2), for queue accounting.
+fn prompt_isl(p: &PromptInput) -> u64 {
+    match (&p.mm_routing_info, &p.token_ids) {
+        (Some(m), _) if !m.routing_token_ids.is_empty() => m.routing_token_ids.len() as u64,
+        (_, Some(t)) => t.len() as u64,
+        _ => p.isl_tokens.unwrap_or(0),
+    }
 }

@@ -80,6 +80,10 @@ impl SelectionError {
     pub fn sequence(status: u16, message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Sequence, status, message)
     }
+    pub(crate) fn with_details(mut self, details: RejectionDetails) -> Self {
+        self.details = Some(details);
+        self
+    }
     pub(crate) fn shutting_down() -> Self {
         Self::not_ready("selection service is shutting down")
     }

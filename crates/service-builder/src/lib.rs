@@ -20,9 +20,11 @@
 //!   error path (a drop guard), and bookings are made last.
 //!
 //! # Not yet here
-//! The admission queue (selections are admitted immediately; the
-//! queue lives in `selection-policy`) and KV hints are separate work items.
+//! KV hints (`kv_hint` on bookings) are not produced yet. The admission queue runs only the
+//! synthetic policy class of `router_queue_threshold`: policy files are not parsed, and
+//! WSPT ordering sees no cached-token estimate (`best_cached_tokens` = 0).
 
+mod admission;
 mod catalog;
 mod core;
 mod discovery;

@@ -181,6 +181,7 @@ impl SelectionCore {
                         match p.ledger().lock().free_remote(&e.request_id, e.worker) {
                             Ok(_) => {
                                 self.drop_row_silently(&e.request_id, now);
+                                self.recheck_queue(&p);
                                 count(&stats.applied);
                             }
                             Err(_) => count(&stats.not_live),

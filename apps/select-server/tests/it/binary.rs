@@ -28,10 +28,15 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
+        Self::start_with_env(extra, &[])
+    }
+
+    fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
         let port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(extra)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -430,4 +435,37 @@ fn startup_recovery_copies_a_peers_index_and_skips_dead_peers() {
     let peers = format!("{dead},http://127.0.0.1:{}", a.port);
     let b = Server::start(&["--indexer-peers", &peers]);
     assert_eq!(b.get("/dump").1, a.get("/dump").1);
+}
+
+#[test]
+fn the_workers_file_is_watched_and_reconciled() {
+    let dir = std::env::temp_dir().join(format!("kv-select-workers-{}", free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("workers.json");
+    let record =
+        |id: u64| json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 16});
+    std::fs::write(&file, json!([record(1), record(2)]).to_string()).unwrap();
+    let server = Server::start_with_env(
+        &["--workers-file", file.to_str().unwrap()],
+        &[("DYN_ROUTER_USE_KV_EVENTS", "false")],
+    );
+    let ids = |s: &Server| -> Vec<u64> {
+        s.get("/workers")
+            .1
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["worker_id"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(ids(&server), [1, 2]);
+    // Ensure a different mtime/size, then replace worker 1 by worker 3.
+    std::thread::sleep(Duration::from_millis(1100));
+    std::fs::write(&file, json!([record(2), record(3), record(4)]).to_string()).unwrap();
+    wait_for("the new snapshot to apply", || ids(&server) == [2, 3, 4]);
+    // A broken file changes nothing.
+    std::fs::write(&file, "[{\"worker_id\": ").unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(ids(&server), [2, 3, 4]);
+    let _ = std::fs::remove_dir_all(&dir);
 }

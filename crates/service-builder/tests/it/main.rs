@@ -1043,3 +1043,87 @@ fn replica_peers_without_a_port_fail_the_build() {
         "{err}"
     );
 }
+
+// ------------------------------------------------------------ admission queue
+
+fn queue_core() -> Arc<SelectionCore> {
+    let mut config = approx_config();
+    config.router.router_queue_threshold = Some(0.5);
+    core(config)
+}
+
+#[test]
+fn queueing_requires_max_num_batched_tokens() {
+    let c = queue_core();
+    let r = c.upsert_worker(worker(1)).unwrap();
+    assert_eq!(
+        r.not_schedulable_reasons,
+        ["max_num_batched_tokens is required while queueing is enabled"]
+    );
+}
+
+#[test]
+fn a_busy_partition_queues_until_capacity_frees_and_shutdown_fails_waiters() {
+    let c = queue_core();
+    c.upsert_worker(WorkerRequest {
+        max_num_batched_tokens: Some(100),
+        ..worker(1)
+    })
+    .unwrap();
+    // 80 prefill tokens > 0.5 × 100: the only rank is busy afterwards.
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("a".into()),
+        ..select(tokens(80))
+    })
+    .unwrap();
+    let waiter = {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || {
+            c.select_and_reserve(SelectRequest {
+                selection_id: Some("b".into()),
+                ..select(tokens(8))
+            })
+        })
+    };
+    wait_until("the request to queue", || {
+        c.loads(None, None)[0].pending_count == 1
+    });
+    assert_eq!(c.loads(None, None)[0].pending_isl_tokens, 8);
+    // Advisory selections bypass the queue.
+    assert!(
+        c.select(SelectRequest {
+            advisory: true,
+            ..select(tokens(8))
+        })
+        .is_ok()
+    );
+    c.prefill_complete("a").unwrap();
+    let admitted = waiter.join().unwrap().unwrap();
+    assert_eq!(admitted.selection_id.as_deref(), Some("b"));
+    assert_eq!(c.loads(None, None)[0].pending_count, 0);
+
+    // Busy again; a waiter is released by shutdown with 503.
+    // A different prompt: the first one is cached now (approximate mode recorded it).
+    let fresh = PromptInput {
+        token_ids: Some((1000..1080).collect()),
+        ..PromptInput::default()
+    };
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("c".into()),
+        ..select(fresh)
+    })
+    .unwrap();
+    let waiter = {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || c.select(select(tokens(8))))
+    };
+    wait_until("the request to queue", || {
+        c.loads(None, None)[0].pending_count == 1
+    });
+    c.shutdown();
+    let e = waiter.join().unwrap().unwrap_err();
+    assert_eq!(
+        (e.status_code(), e.message()),
+        (503, "endpoint subscriber shutdown")
+    );
+}

@@ -1,0 +1,126 @@
+//! `select_and_reserve` + `free` through the service core: 8, 64, 128 and 512 workers,
+//! prompts of 256 and 4,096 tokens, block size 16. The index holds, per worker, a distinct
+//! 4k-token prefix plus a shared system prompt, so every lookup walks a real tree.
+
+use std::sync::Arc;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use kv_types::{
+    BlockHash, ExternalHash, HashOptions, KvOperation, KvOperationKind, StorageTier, StoredBlock,
+    WorkerKey,
+};
+use selection_policy::RouterConfig;
+use service_builder::{
+    CoreConfig, PartitionKey, PromptInput, SelectRequest, SelectionCore, WorkerRequest,
+};
+
+const BLOCK: u32 = 16;
+
+fn prompt(worker: u64, tokens: usize) -> Vec<u32> {
+    // A shared 1k-token system prompt, then a worker-specific tail.
+    let mut t: Vec<u32> = (0..1024).collect();
+    let mut seed = tokens as u64 ^ 0x9E37;
+    t.extend((1024..tokens).map(|i| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(worker + i as u64);
+        (seed >> 40) as u32
+    }));
+    t.truncate(tokens);
+    t
+}
+
+fn core_with(workers: u64) -> Arc<SelectionCore> {
+    let config = CoreConfig {
+        router: RouterConfig {
+            use_kv_events: false,
+            ..RouterConfig::default()
+        },
+        rng_seed: Some(1),
+        ..CoreConfig::default()
+    };
+    let core = SelectionCore::try_new_local(config, None).expect("valid config");
+    let key = PartitionKey::new("default", "default");
+    for w in 0..workers {
+        core.upsert_worker(WorkerRequest {
+            endpoint: Some(format!("http://w{w}")),
+            block_size: Some(BLOCK),
+            ..WorkerRequest::new(w)
+        })
+        .expect("worker registers");
+        let mut hashes: Vec<BlockHash> = Vec::new();
+        kv_types::block_hashes_into(
+            &prompt(w, 4096),
+            BLOCK,
+            &HashOptions::default(),
+            &mut hashes,
+        );
+        let blocks = hashes
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock::new(ExternalHash(h.0 ^ i as u64), *h))
+            .collect();
+        let op = KvOperation {
+            worker: WorkerKey::new(w, 0),
+            tier: StorageTier::Device,
+            event_id: w,
+            kind: KvOperationKind::Stored {
+                parent_hash: None,
+                blocks,
+            },
+        };
+        core.apply_events(&key, &[op]);
+    }
+    core
+}
+
+fn service(c: &mut Criterion) {
+    let mut group = c.benchmark_group("service/select_and_reserve_free");
+    for workers in [8u64, 64, 128, 512] {
+        let core = core_with(workers);
+        for tokens in [256usize, 4096] {
+            let request = SelectRequest {
+                selection_id: Some("bench".into()),
+                prompt: PromptInput {
+                    token_ids: Some(prompt(workers / 2, tokens)),
+                    ..PromptInput::default()
+                },
+                ..SelectRequest::default()
+            };
+            group.bench_with_input(
+                BenchmarkId::new(format!("{workers}_workers"), tokens),
+                &request,
+                |b, req| {
+                    b.iter(|| {
+                        let r = core.select_and_reserve(req.clone()).expect("selects");
+                        core.free_reservation("bench").expect("frees");
+                        r.worker_id
+                    })
+                },
+            );
+        }
+    }
+    group.finish();
+
+    // The query path alone (no booking, nothing recorded), for the split.
+    let mut group = c.benchmark_group("service/select");
+    for workers in [8u64, 128, 512] {
+        let core = core_with(workers);
+        let request = SelectRequest {
+            prompt: PromptInput {
+                token_ids: Some(prompt(workers / 2, 4096)),
+                ..PromptInput::default()
+            },
+            ..SelectRequest::default()
+        };
+        group.bench_with_input(
+            BenchmarkId::new(format!("{workers}_workers"), 4096),
+            &request,
+            |b, req| b.iter(|| core.select(req.clone()).expect("selects").worker_id),
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, service);
+criterion_main!(benches);

@@ -1,0 +1,145 @@
+//! The partition's admission queue in service form (`spec/scheduling.md` §5): a request
+//! whose eligible ranks are all busy waits (on the blocking pool) until a free, a prefill
+//! completion, a catalog change or the periodic re-check lets it through.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_types::WorkerKey;
+use parking_lot::{Condvar, Mutex};
+use selection_policy::{AdmissionQueue, Arrival, Offer, PolicyClass, QueueRejected, Waiting};
+
+/// Longest a request waits in the queue before it gives up (429, request deadline
+/// exceeded); keeps a caller that went away from holding a thread forever.
+pub(crate) const MAX_QUEUE_WAIT: Duration = Duration::from_secs(300);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TicketState {
+    Waiting,
+    Admitted,
+    ShutDown,
+    Abandoned,
+}
+
+/// One queued request.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    state: Mutex<TicketState>,
+    cv: Condvar,
+    /// Eligibility for the gate: the allow-list (None = all).
+    pub(crate) allowed: Option<Vec<u64>>,
+}
+
+/// How a wait ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum WaitOutcome {
+    Admitted,
+    ShutDown,
+    TimedOut,
+}
+
+impl Ticket {
+    pub(crate) fn new(allowed: Option<Vec<u64>>) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(TicketState::Waiting),
+            cv: Condvar::new(),
+            allowed,
+        })
+    }
+
+    fn resolve(&self, to: TicketState) -> bool {
+        let mut s = self.state.lock();
+        if *s != TicketState::Waiting {
+            return false;
+        }
+        *s = to;
+        drop(s);
+        self.cv.notify_all();
+        true
+    }
+
+    pub(crate) fn wait(&self, max: Duration) -> WaitOutcome {
+        let deadline = Instant::now() + max;
+        let mut s = self.state.lock();
+        loop {
+            match *s {
+                TicketState::Admitted => return WaitOutcome::Admitted,
+                TicketState::ShutDown => return WaitOutcome::ShutDown,
+                TicketState::Abandoned => return WaitOutcome::TimedOut,
+                TicketState::Waiting => {
+                    if self.cv.wait_until(&mut s, deadline).timed_out() {
+                        *s = TicketState::Abandoned;
+                        return WaitOutcome::TimedOut;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The queue of one partition, with its (single, synthetic) policy class.
+#[derive(Debug)]
+pub(crate) struct PartitionQueue {
+    queue: Mutex<AdmissionQueue<Arc<Ticket>>>,
+}
+
+impl PartitionQueue {
+    pub(crate) fn new(class: PolicyClass) -> Option<Self> {
+        if !class.queueing_enabled() {
+            return None;
+        }
+        AdmissionQueue::new(vec![class], Instant::now())
+            .ok()
+            .map(|q| Self {
+                queue: Mutex::new(q),
+            })
+    }
+
+    /// Offers a request; `Ok(None)` = admitted now, `Ok(Some(ticket))` = wait on it.
+    pub(crate) fn offer(
+        &self,
+        arrival: Arrival<Arc<Ticket>>,
+        registered_workers: usize,
+        gate: impl FnMut(&PolicyClass, &Waiting<Arc<Ticket>>) -> bool,
+    ) -> Result<Option<Arc<Ticket>>, QueueRejected> {
+        let ticket = Arc::clone(&arrival.payload);
+        let offered = self
+            .queue
+            .lock()
+            .offer(arrival, registered_workers, Instant::now(), gate)?;
+        Ok(match offered {
+            Offer::Admit(_) => None,
+            Offer::Queued => Some(ticket),
+        })
+    }
+
+    /// Admits every waiting request the gate lets through now.
+    pub(crate) fn drain(&self, mut gate: impl FnMut(&PolicyClass, &Waiting<Arc<Ticket>>) -> bool) {
+        let mut q = self.queue.lock();
+        while let Some(ticket) = q.next_ready(&mut gate) {
+            // An abandoned ticket frees its slot without being admitted.
+            ticket.resolve(TicketState::Admitted);
+        }
+    }
+
+    pub(crate) fn shut_down(&self) {
+        for ticket in self.queue.lock().drain_all() {
+            ticket.resolve(TicketState::ShutDown);
+        }
+    }
+
+    /// `(pending_count, pending_isl_tokens)` for `/loads`.
+    pub(crate) fn pending(&self) -> (u64, u64) {
+        let q = self.queue.lock();
+        (q.len() as u64, q.pending_isl_tokens())
+    }
+}
+
+/// Whether `key` may serve a waiting request (allow-list and pin).
+pub(crate) fn eligible(w: &Waiting<Arc<Ticket>>, key: WorkerKey) -> bool {
+    w.pinned.is_none_or(|p| p == key)
+        && w.payload
+            .allowed
+            .as_ref()
+            .is_none_or(|a| a.contains(&key.worker_id.0))
+}
