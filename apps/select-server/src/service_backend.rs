@@ -523,6 +523,11 @@ fn metrics_text(core: &SelectionCore) -> String {
         ),
         ("kv_select_bookings_total", "Bookings made.", &m.bookings),
         (
+            "kv_select_frees_total",
+            "Reservations freed by DELETE.",
+            &m.frees,
+        ),
+        (
             "kv_select_pending_selection_evictions_total",
             "Pending selections evicted for space.",
             &m.pending_evictions,
@@ -545,6 +550,26 @@ fn metrics_text(core: &SelectionCore) -> String {
             v.load(Ordering::Relaxed)
         );
     }
+    let (rows, sum_us) = m.selection_latency.snapshot();
+    let _ = writeln!(
+        out,
+        "# HELP kv_select_selection_duration_seconds Time inside the service per selection (queue wait included).\n# TYPE kv_select_selection_duration_seconds histogram"
+    );
+    let mut count = 0;
+    for (bound, cumulative) in rows {
+        let le = bound.map_or_else(|| "+Inf".to_owned(), |us| format!("{}", us as f64 / 1e6));
+        let _ = writeln!(
+            out,
+            "kv_select_selection_duration_seconds_bucket{{le=\"{le}\"}} {cumulative}"
+        );
+        count = cumulative;
+    }
+    let _ = writeln!(
+        out,
+        "kv_select_selection_duration_seconds_sum {}",
+        sum_us as f64 / 1e6
+    );
+    let _ = writeln!(out, "kv_select_selection_duration_seconds_count {count}");
     let (pending, pending_bytes) = core.pending_selection_count();
     let gauges = [
         (

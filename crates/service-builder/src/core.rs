@@ -31,6 +31,7 @@ use crate::catalog::{
 };
 use crate::error::SelectionError;
 use crate::ingress::{Ingress, IngressSink};
+use crate::metrics::CoreMetrics;
 use crate::pending::{PendingCache, PendingKey, PendingSelection, SelectionCacheConfig};
 use crate::request::{
     LoadRow, ModelLoads, OverlapRow, OverlapScoresResponse, OverlapSummary, PromptInput,
@@ -163,17 +164,6 @@ impl ReservationRow {
 struct State {
     records: BTreeMap<u64, WorkerCatalogRecord>,
     partitions: BTreeMap<PartitionKey, Arc<Partition>>,
-}
-
-/// Drop counters and totals exported on `/metrics`.
-#[derive(Debug, Default)]
-pub struct CoreMetrics {
-    pub selections: AtomicU64,
-    pub bookings: AtomicU64,
-    pub selection_errors: AtomicU64,
-    pub pending_evictions: AtomicU64,
-    pub expired_reservations: AtomicU64,
-    pub reservations_rejected_full: AtomicU64,
 }
 
 /// The whole selection service state, usable without any task or socket.
@@ -731,7 +721,9 @@ impl SelectionCore {
     }
 
     fn run_select(&self, req: SelectRequest, book: bool) -> Result<SelectResponse, SelectionError> {
+        let started = Instant::now();
         let result = self.run_select_inner(req, book);
+        self.metrics.selection_latency.observe(started.elapsed());
         let counter = if result.is_ok() {
             &self.metrics.selections
         } else {
@@ -1592,6 +1584,7 @@ impl SelectionCore {
         let out = self.lifecycle_result(id, r);
         self.forget_row(id);
         let freed = out?;
+        self.metrics.frees.fetch_add(1, Ordering::Relaxed);
         self.recheck_queue(&partition);
         self.publish_replica(crate::replica::sequence_event(
             &partition,

@@ -30,6 +30,7 @@ mod core;
 mod discovery;
 mod error;
 mod ingress;
+mod metrics;
 mod pending;
 mod replica;
 mod request;
@@ -40,11 +41,12 @@ pub use catalog::{
     Lifecycle, MAX_DATA_PARALLEL_SIZE, PartitionKey, WorkerCatalogRecord, WorkerPatch,
     WorkerRequest,
 };
-pub use core::{CoreConfig, CoreMetrics, PolicyFactory, SelectionCore};
+pub use core::{CoreConfig, PolicyFactory, SelectionCore};
 pub use discovery::CatalogReconciler;
 pub use error::{BuildError, ErrorKind, RejectionDetails, SelectionError};
 /// Listener statistics and their label sets, for exporters.
 pub use kv_events::{DropReason, FilterReason, ListenerStats};
+pub use metrics::{CoreMetrics, LatencyHistogram, SELECTION_LATENCY_BUCKETS_US};
 pub use pending::SelectionCacheConfig;
 pub use replica::ReplicaApplyStats;
 pub use request::{

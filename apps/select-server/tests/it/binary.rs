@@ -201,6 +201,10 @@ fn register_events_select_reserve_lifecycle_loads_dump() {
     let text = metrics.as_str().unwrap_or_default().to_owned();
     assert!(text.contains("kv_select_bookings_total 1"), "{text}");
     assert!(
+        text.contains("kv_select_selection_duration_seconds_bucket{le=\"+Inf\"}"),
+        "{text}"
+    );
+    assert!(
         text.contains("kv_select_kv_batches_applied_total{worker_id=\"1\",dp_rank=\"0\"}"),
         "{text}"
     );

@@ -3,6 +3,7 @@
 
 mod binary;
 mod fake;
+mod mesh;
 mod routes;
 mod serve;
 mod shapes;

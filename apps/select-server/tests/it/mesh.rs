@@ -1,0 +1,303 @@
+//! Black-box mesh test: three real `select-server` processes on 127.0.0.1 meshed all-to-all
+//! over replica sync, one of them killed and restarted on the same ports.
+
+#![expect(
+    clippy::unwrap_used,
+    reason = "test helpers fail loudly on a broken fixture"
+)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One replica's fixed ports: kept across a restart so that peers reconnect by themselves.
+#[derive(Clone, Copy)]
+struct Ports {
+    http: u16,
+    replica: u16,
+}
+
+struct Replica {
+    child: Child,
+    port: u16,
+}
+
+impl Replica {
+    /// Starts a replica publishing on `me.replica` and subscribed to every `peers` endpoint.
+    /// Retries a few times: a port freed by a killed process may take a moment to rebind.
+    fn start(me: Ports, peers: &[Ports]) -> Replica {
+        let peer_list = peers
+            .iter()
+            .map(|p| format!("tcp://127.0.0.1:{}", p.replica))
+            .collect::<Vec<_>>()
+            .join(",");
+        for _attempt in 0..5 {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_select-server"))
+                .args(["--host", "127.0.0.1", "--port", &me.http.to_string()])
+                .args(["--replica-sync-port", &me.replica.to_string()])
+                .args(["--replica-sync-peers", &peer_list])
+                .args(["--session-affinity-ttl-secs", "60"])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("binary starts");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if child.try_wait().unwrap().is_some() {
+                    break;
+                }
+                if TcpStream::connect(("127.0.0.1", me.http)).is_ok() {
+                    return Replica {
+                        child,
+                        port: me.http,
+                    };
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("replica did not listen on {} after 5 attempts", me.http);
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let status: u16 = raw[9..12].parse().unwrap();
+        let text = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+        (
+            status,
+            serde_json::from_str(text).unwrap_or(Value::String(text.to_owned())),
+        )
+    }
+
+    fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call("POST", path, Some(&body))
+    }
+
+    fn get(&self, path: &str) -> (u16, Value) {
+        self.call("GET", path, None)
+    }
+
+    fn delete(&self, id: &str) -> u16 {
+        self.call("DELETE", &format!("/reservations/{id}"), None).0
+    }
+
+    /// Registers the catalog every replica shares: workers 1..=3, block size 16.
+    fn register_catalog(&self, kv_ports: &[u16; 3]) {
+        for (id, kv) in (1..=3).zip(kv_ports) {
+            let w = json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 16,
+                           "kv_events_endpoint": format!("tcp://127.0.0.1:{kv}")});
+            let (status, body) = self.post("/workers", w);
+            assert_eq!(status, 201, "{body}");
+        }
+    }
+
+    fn rows(&self) -> Vec<Value> {
+        let (status, loads) = self.get("/loads");
+        assert_eq!(status, 200, "{loads}");
+        loads[0]["loads"].as_array().cloned().unwrap_or_default()
+    }
+
+    fn active_requests(&self) -> u64 {
+        self.rows()
+            .iter()
+            .map(|r| r["active_requests"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
+    fn prefill_tokens(&self) -> u64 {
+        self.rows()
+            .iter()
+            .map(|r| r["potential_prefill_tokens"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
+    /// SIGKILL: no shutdown path runs, peers just lose the connection.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for _ in 0..2_000 {
+        if f() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("gave up waiting for {what} after 2,000 polls");
+}
+
+/// Books throw-away probes on `from` until every `to` replica mirrors one: a SUB socket that
+/// has just connected misses what was published before its subscription landed (ZMQ's slow
+/// joiner), so nothing can be asserted about the mesh before this succeeds.
+fn warm_up(from: &Replica, to: &[&Replica], tag: &str) {
+    let mut n = 0;
+    wait_for(&format!("{tag}: probes to reach every peer"), || {
+        n += 1;
+        let id = format!("probe-{tag}-{n}");
+        let (status, body) = from.post(
+            "/select_and_reserve",
+            json!({"selection_id": id, "token_ids": [1, 2, 3]}),
+        );
+        assert_eq!(status, 200, "{body}");
+        std::thread::sleep(Duration::from_millis(50));
+        let seen = to.iter().all(|r| r.active_requests() > 0);
+        assert_eq!(from.delete(&id), 200);
+        seen
+    });
+    for r in to {
+        wait_for(&format!("{tag}: probe frees to settle"), || {
+            r.active_requests() == 0
+        });
+    }
+}
+
+#[test]
+fn three_replicas_mesh_all_to_all_and_survive_a_peer_restart() {
+    let [pa, pb, pc] = [(); 3].map(|()| Ports {
+        http: free_port(),
+        replica: free_port(),
+    });
+    let kv_ports = [free_port(), free_port(), free_port()];
+    let a = Replica::start(pa, &[pb, pc]);
+    let b = Replica::start(pb, &[pa, pc]);
+    let c = Replica::start(pc, &[pa, pb]);
+    for r in [&a, &b, &c] {
+        r.register_catalog(&kv_ports);
+    }
+    warm_up(&a, &[&b, &c], "a");
+    warm_up(&b, &[&a, &c], "b");
+    warm_up(&c, &[&a, &b], "c");
+
+    // A booking on A is mirrored by B and C, prefill tokens included.
+    let tokens: Vec<u32> = (0..64).collect();
+    let (status, booked) = a.post(
+        "/select_and_reserve",
+        json!({"selection_id": "r1", "token_ids": tokens, "session_id": "chat"}),
+    );
+    assert_eq!(status, 200, "{booked}");
+    let bound = booked["worker_id"].clone();
+    for r in [&b, &c] {
+        wait_for("the booking to reach B and C", || {
+            r.active_requests() == 1 && r.prefill_tokens() > 0
+        });
+    }
+    assert_eq!(
+        c.post(
+            "/select_and_reserve",
+            json!({"selection_id": "r1", "token_ids": [1]})
+        )
+        .0,
+        409,
+        "a mirrored booking claims its id"
+    );
+
+    // The session bound on A steers C, although C's least loaded workers are the others.
+    let (_, unsteered) = c.post("/select", json!({"token_ids": [9, 9]}));
+    assert_ne!(unsteered["worker_id"], bound, "{unsteered}");
+    wait_for("the session binding to reach C", || {
+        c.post(
+            "/select",
+            json!({"token_ids": [9, 9], "session_id": "chat"}),
+        )
+        .1["worker_id"]
+            == bound
+    });
+    for _ in 0..5 {
+        let (_, steered) = c.post(
+            "/select",
+            json!({"token_ids": [7, 7, 7], "session_id": "chat"}),
+        );
+        assert_eq!(steered["worker_id"], bound, "{steered}");
+    }
+
+    // prefill_complete on A clears the prefill load on B and C; DELETE clears the booking.
+    assert_eq!(
+        a.post("/reservations/r1/prefill_complete", json!({})).0,
+        200
+    );
+    for r in [&b, &c] {
+        wait_for("prefill completion to reach B and C", || {
+            r.prefill_tokens() == 0
+        });
+        assert_eq!(r.active_requests(), 1);
+    }
+    assert_eq!(a.delete("r1"), 200);
+    for r in [&b, &c] {
+        wait_for("the free to reach B and C", || r.active_requests() == 0);
+    }
+
+    // B dies without warning: A keeps serving and keeps reaching C.
+    b.kill();
+    assert_eq!(a.get("/health"), (200, json!({"status": "ok"})));
+    let (status, body) = a.post(
+        "/select_and_reserve",
+        json!({"selection_id": "r2", "token_ids": [5, 6, 7, 8]}),
+    );
+    assert_eq!(status, 200, "{body}");
+    wait_for("A's booking to reach C while B is down", || {
+        c.active_requests() == 1
+    });
+    assert_eq!(a.delete("r2"), 200);
+    wait_for("A's free to reach C while B is down", || {
+        c.active_requests() == 0
+    });
+    assert_eq!(a.active_requests(), 0);
+
+    // B comes back on the same ports with the same catalog; the mesh heals both ways.
+    let b = Replica::start(pb, &[pa, pc]);
+    b.register_catalog(&kv_ports);
+    assert_eq!(b.active_requests(), 0, "a restarted replica starts empty");
+    warm_up(&a, &[&b, &c], "a-again");
+    warm_up(&b, &[&a, &c], "b-again");
+    let (status, body) = a.post(
+        "/select_and_reserve",
+        json!({"selection_id": "r3", "token_ids": tokens}),
+    );
+    assert_eq!(status, 200, "{body}");
+    for r in [&b, &c] {
+        wait_for("a new booking on A to reach the restarted B and C", || {
+            r.active_requests() == 1
+        });
+    }
+    assert_eq!(a.delete("r3"), 200);
+    for r in [&b, &c] {
+        wait_for("the free to reach the restarted B and C", || {
+            r.active_requests() == 0
+        });
+    }
+}
