@@ -18,6 +18,7 @@ use std::time::Duration;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
 use kv_types::{TrackingConfigError, TrackingHashAlgorithm, TrackingHasher};
+use selection_policy::RouterConfig;
 
 /// Largest `--session-affinity-ttl-secs` (one year).
 pub const MAX_SESSION_AFFINITY_TTL_SECS: u64 = 31_536_000;
@@ -163,7 +164,9 @@ pub struct ServerConfig {
     pub workers_file: Option<PathBuf>,
     pub auth_token_file: Option<PathBuf>,
     pub max_active_reservations: Option<u64>,
-    pub router: RouterSettings,
+    /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
+    pub router: RouterConfig,
+    pub policy_names: PolicyNames,
     /// `DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`.
     pub active_request_expiry: Duration,
     /// `DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS`; `None` = refresh disabled.
@@ -191,7 +194,8 @@ impl Default for ServerConfig {
             workers_file: None,
             auth_token_file: None,
             max_active_reservations: None,
-            router: RouterSettings::default(),
+            router: RouterConfig::default(),
+            policy_names: PolicyNames::default(),
             active_request_expiry: DEFAULT_ACTIVE_REQUEST_EXPIRY,
             overlap_refresh_after: Some(DEFAULT_OVERLAP_REFRESH_AFTER),
             min_initial_workers: 0,
@@ -220,82 +224,13 @@ impl TrackingSettings {
     }
 }
 
-/// Router configuration from the environment (`scheduling.md` §8.1). `Default` = spec.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RouterSettings {
-    pub overlap_score_credit: f64,
-    pub overlap_score_credit_decay: f64,
-    pub prefill_load_scale: f64,
-    pub decode_active_request_weight: f64,
-    pub router_temperature: f64,
-    pub host_cache_hit_weight: f64,
-    pub disk_cache_hit_weight: f64,
-    pub use_kv_events: bool,
-    pub router_replica_sync: bool,
-    pub router_track_active_blocks: bool,
-    pub router_track_output_blocks: bool,
-    pub router_assume_kv_reuse: bool,
-    pub router_track_prefill_tokens: bool,
-    pub router_prefill_load_model: PrefillLoadModel,
-    pub router_ttl_secs: f64,
-    pub router_approximate_cache_policy: ApproximateCachePolicy,
-    pub router_predicted_ttl_secs: Option<f64>,
-    pub router_queue_threshold: Option<f64>,
-    pub router_queue_policy: QueuePolicy,
-    pub router_policy_config: Option<PathBuf>,
-    pub router_event_threads: u32,
-    pub use_remote_indexer: bool,
-    pub shared_cache_type: SharedCacheType,
-    pub shared_cache_multiplier: Option<f64>,
-    pub conditional_disagg_enabled: bool,
-    pub conditional_disagg_policy: ConditionalDisaggPolicy,
-    pub conditional_disagg_eff_isl_threshold: u64,
-    pub conditional_disagg_eff_isl_ratio_threshold: f64,
-    pub conditional_disagg_prefill_busy_threshold: Option<f64>,
-    pub conditional_disagg_decode_busy_threshold: Option<f64>,
+/// Names of configured policy instances (`DYN_ROUTER_*_POLICY`); the rest of the router
+/// configuration is `selection_policy::RouterConfig`, whose `Default` is the spec's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyNames {
     pub worker_selection_policy: Option<String>,
     pub prefill_policy: Option<String>,
     pub decode_policy: Option<String>,
-}
-
-impl Default for RouterSettings {
-    fn default() -> Self {
-        Self {
-            overlap_score_credit: 1.0,
-            overlap_score_credit_decay: 0.0,
-            prefill_load_scale: 1.0,
-            decode_active_request_weight: 0.0,
-            router_temperature: 0.0,
-            host_cache_hit_weight: 0.75,
-            disk_cache_hit_weight: 0.25,
-            use_kv_events: true,
-            router_replica_sync: false,
-            router_track_active_blocks: true,
-            router_track_output_blocks: false,
-            router_assume_kv_reuse: true,
-            router_track_prefill_tokens: true,
-            router_prefill_load_model: PrefillLoadModel::None,
-            router_ttl_secs: 120.0,
-            router_approximate_cache_policy: ApproximateCachePolicy::Ttl,
-            router_predicted_ttl_secs: None,
-            router_queue_threshold: None,
-            router_queue_policy: QueuePolicy::Fcfs,
-            router_policy_config: None,
-            router_event_threads: 4,
-            use_remote_indexer: false,
-            shared_cache_type: SharedCacheType::None,
-            shared_cache_multiplier: None,
-            conditional_disagg_enabled: false,
-            conditional_disagg_policy: ConditionalDisaggPolicy::IslBounding,
-            conditional_disagg_eff_isl_threshold: 2048,
-            conditional_disagg_eff_isl_ratio_threshold: 0.7,
-            conditional_disagg_prefill_busy_threshold: None,
-            conditional_disagg_decode_busy_threshold: None,
-            worker_selection_policy: None,
-            prefill_policy: None,
-            decode_policy: None,
-        }
-    }
 }
 
 // One definition of the router enums: selection-policy owns them (and their spellings).
@@ -335,7 +270,7 @@ impl ServerConfig {
     }
 
     fn build(cli: Cli, env: &mut EnvReader<'_>) -> Result<Self, String> {
-        let mut router = env.router_settings()?;
+        let (mut router, policy_names) = env.router_settings()?;
         if cli.router_assume_kv_reuse {
             router.router_assume_kv_reuse = true;
         } else if cli.no_router_assume_kv_reuse {
@@ -384,6 +319,7 @@ impl ServerConfig {
             auth_token_file: cli.auth_token_file,
             max_active_reservations: cli.max_active_reservations,
             router,
+            policy_names,
             active_request_expiry,
             overlap_refresh_after,
             min_initial_workers,
@@ -491,8 +427,8 @@ impl EnvReader<'_> {
         })
     }
 
-    fn router_settings(&mut self) -> Result<RouterSettings, String> {
-        let d = RouterSettings::default();
+    fn router_settings(&mut self) -> Result<(RouterConfig, PolicyNames), String> {
+        let d = RouterConfig::default();
         for name in [
             "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",
             "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",
@@ -509,7 +445,7 @@ impl EnvReader<'_> {
         }
         let nn = Check::NonNegative;
         let unit = Check::UnitInterval;
-        let mut s = RouterSettings {
+        let mut s = RouterConfig {
             overlap_score_credit: self
                 .f64("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", nn)?
                 .unwrap_or(d.overlap_score_credit),
@@ -597,6 +533,12 @@ impl EnvReader<'_> {
                 .f64("DYN_ROUTER_CONDITIONAL_DISAGG_PREFILL_BUSY_THRESHOLD", nn)?,
             conditional_disagg_decode_busy_threshold: self
                 .f64("DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD", nn)?,
+            router_tracking_hash: d.router_tracking_hash,
+            router_tracking_key_file: None,
+            router_tracking_key_id: None,
+            serve_indexer: d.serve_indexer,
+        };
+        let names = PolicyNames {
             worker_selection_policy: self.get("DYN_ROUTER_WORKER_SELECTION_POLICY"),
             prefill_policy: self.get("DYN_ROUTER_PREFILL_POLICY"),
             decode_policy: self.get("DYN_ROUTER_DECODE_POLICY"),
@@ -649,7 +591,7 @@ impl EnvReader<'_> {
                  DYN_ROUTER_CONDITIONAL_DISAGG_PREFILL_BUSY_THRESHOLD or DYN_ROUTER_QUEUE_THRESHOLD"
                 .to_owned());
         }
-        Ok(s)
+        Ok((s, names))
     }
 
     /// Positive integer seconds; absent → 300; unparsable or 0 → 300 with a warning.
@@ -879,7 +821,7 @@ mod tests {
             cfg.router.router_approximate_cache_policy,
             ApproximateCachePolicy::Lru
         );
-        assert_eq!(cfg.router.prefill_policy, None);
+        assert_eq!(cfg.policy_names.prefill_policy, None);
         assert_eq!(
             cfg.router.conditional_disagg_decode_busy_threshold,
             Some(0.9)

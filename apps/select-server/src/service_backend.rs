@@ -27,11 +27,19 @@ use crate::dto::{
 #[derive(Debug)]
 pub struct ServiceBackend {
     service: Arc<SelectionService>,
+    /// Whether a non-advisory `/select` may wait in the admission queue (a busy threshold
+    /// is configured), so it must not run on an async worker.
+    select_may_wait: bool,
 }
 
 impl ServiceBackend {
     pub fn new(service: Arc<SelectionService>) -> Self {
-        Self { service }
+        let router = &service.core().config().router;
+        let select_may_wait = selection_policy::PolicyClass::synthetic(router).queueing_enabled();
+        Self {
+            service,
+            select_may_wait,
+        }
     }
 
     pub fn service(&self) -> &Arc<SelectionService> {
@@ -352,11 +360,18 @@ impl Backend for ServiceBackend {
     }
 
     async fn select(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
+        let may_wait = self.select_may_wait && !req.advisory;
         let r = select_request(req.prompt, req.options, req.advisory)?;
-        // Inline, not on the blocking pool: a selection without booking only takes brief
-        // parking_lot sections and costs tens of microseconds, less than the two thread
-        // hand-offs of `spawn_blocking`, which were the largest cost in the profile
-        // (docs/hot-path.md).
+        if may_wait {
+            return self
+                .blocking(move |c| c.select(r))
+                .await
+                .map(selection_response);
+        }
+        // Inline, not on the blocking pool: without admission queueing a selection that
+        // books nothing only takes brief parking_lot sections and costs tens of
+        // microseconds, less than the two thread hand-offs of `spawn_blocking`, which were
+        // the largest cost in the profile (docs/hot-path.md).
         self.core()
             .select(r)
             .map(selection_response)
@@ -729,42 +744,11 @@ fn escape(s: &str) -> String {
 pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<ServiceBackend> {
     use anyhow::Context as _;
     let tracking = cfg.tracking.hasher()?;
-    let r = &cfg.router;
     let router = selection_policy::RouterConfig {
-        overlap_score_credit: r.overlap_score_credit,
-        overlap_score_credit_decay: r.overlap_score_credit_decay,
-        prefill_load_scale: r.prefill_load_scale,
-        decode_active_request_weight: r.decode_active_request_weight,
-        router_temperature: r.router_temperature,
-        host_cache_hit_weight: r.host_cache_hit_weight,
-        disk_cache_hit_weight: r.disk_cache_hit_weight,
-        use_kv_events: r.use_kv_events,
-        router_replica_sync: r.router_replica_sync,
-        router_track_active_blocks: r.router_track_active_blocks,
-        router_track_output_blocks: r.router_track_output_blocks,
-        router_assume_kv_reuse: r.router_assume_kv_reuse,
-        router_track_prefill_tokens: r.router_track_prefill_tokens,
         router_tracking_hash: tracking.algorithm(),
         router_tracking_key_file: cfg.tracking.key_file.clone(),
         router_tracking_key_id: cfg.tracking.key_id.clone(),
-        router_prefill_load_model: r.router_prefill_load_model,
-        router_ttl_secs: r.router_ttl_secs,
-        router_approximate_cache_policy: r.router_approximate_cache_policy,
-        router_predicted_ttl_secs: r.router_predicted_ttl_secs,
-        router_queue_threshold: r.router_queue_threshold,
-        router_queue_policy: r.router_queue_policy,
-        router_policy_config: r.router_policy_config.clone(),
-        router_event_threads: r.router_event_threads,
-        use_remote_indexer: r.use_remote_indexer,
-        shared_cache_type: r.shared_cache_type,
-        shared_cache_multiplier: r.shared_cache_multiplier,
-        conditional_disagg_enabled: r.conditional_disagg_enabled,
-        conditional_disagg_policy: r.conditional_disagg_policy,
-        conditional_disagg_eff_isl_threshold: r.conditional_disagg_eff_isl_threshold,
-        conditional_disagg_eff_isl_ratio_threshold: r.conditional_disagg_eff_isl_ratio_threshold,
-        conditional_disagg_prefill_busy_threshold: r.conditional_disagg_prefill_busy_threshold,
-        conditional_disagg_decode_busy_threshold: r.conditional_disagg_decode_busy_threshold,
-        ..selection_policy::RouterConfig::default()
+        ..cfg.router.clone()
     };
     let core = service_builder::CoreConfig {
         router,

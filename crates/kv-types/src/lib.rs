@@ -1,5 +1,6 @@
 //! Shared vocabulary of kv-select: identifiers, hash newtypes, the normalized KV-cache
-//! operation, and the spec-exact block/sequence/tracking hashing (`spec/hashing.md`).
+//! operation, the spec-exact block/sequence/tracking hashing (`spec/hashing.md`), and the
+//! ZMQ endpoint syntax rule shared by KV-event listeners and the replica mesh.
 //!
 //! Every other crate of the workspace depends on this one and on nothing else of ours for
 //! its vocabulary, so it stays small and free of IO, clocks, serde and sockets.
@@ -15,11 +16,13 @@
 //!   per block (multimodal blocks sort their hashes in a small stack buffer when they fit).
 //! - The tracking key never appears in `Debug` output and is zeroized on drop.
 
+pub mod endpoint;
 pub mod hashing;
 mod ids;
 mod ops;
 pub mod tracking;
 
+pub use endpoint::{EndpointProblem, InvalidEndpoint, validate_endpoint};
 pub use hashing::{
     BlockMmInfo, CHAIN_SEED, HashOptions, MmObject, block_hashes, block_hashes_into, block_seed,
     mm_identifier_hash, pad_value, sequence_hashes_into, window_count,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use kv_events::{EndpointError, KvEventListener, ListenerConfig, ListenerState, ListenerStats};
+use kv_events::{KvEventListener, ListenerConfig, ListenerState, ListenerStats};
 use kv_types::{KvOperation, WorkerId, WorkerKey};
 use parking_lot::Mutex;
 
@@ -228,24 +228,7 @@ impl Ingress {
 
 /// The contract's wording of an invalid endpoint (http-api §4.2).
 fn check_endpoint(ep: &str) -> Result<(), String> {
-    kv_events::validate_endpoint(ep).map_err(|e| {
-        let why = match &e {
-            EndpointError::MissingScheme { .. } => "missing scheme".to_owned(),
-            EndpointError::EmptyAddress { .. } => "missing address".to_owned(),
-            EndpointError::MissingTcpPort { .. } => "missing TCP port".to_owned(),
-            EndpointError::EmptyHost { .. } => "missing TCP host".to_owned(),
-            EndpointError::UnclosedIpv6Host { .. } => "missing closing `]`".to_owned(),
-            EndpointError::InvalidPort { port, .. } => match port.parse::<u16>() {
-                Err(p) => format!("invalid TCP port: {p}"),
-                Ok(_) => "invalid TCP port".to_owned(),
-            },
-            EndpointError::UnsupportedScheme { scheme, .. } => {
-                format!("unsupported scheme `{scheme}`")
-            }
-            other => other.to_string(),
-        };
-        format!("invalid ZMQ endpoint `{ep}`: {why}")
-    })
+    kv_types::validate_endpoint(ep).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
