@@ -156,20 +156,29 @@ pub fn pick_with_temperature(costs: &[f64], temperature: f64, rng: &mut PickRng)
         None => Some(pick_min(costs, rng)),
         Some(Softmax::Uniform) => Some(rng.below(costs.len() as u64) as usize),
         Some(s) => {
-            // `cumsum(w/total) >= u` compared as `cumsum(w) >= u·total`: no division per
-            // row, and the second pass stops at the chosen row (1.5 exp per row on average).
-            let total: f64 = costs.iter().map(|&c| s.weight(c)).sum();
-            let target = rng.next_f64() * total;
-            let mut cumulative = 0.0;
-            for (i, &c) in costs.iter().enumerate() {
-                cumulative += s.weight(c);
-                if cumulative >= target {
-                    return Some(i);
+            // One `exp` per row: weights go to a per-thread buffer that outlives the call,
+            // so steady-state picking allocates nothing. `cumsum(w/total) >= u` is compared
+            // as `cumsum(w) >= u·total` (no division per row).
+            WEIGHTS.with_borrow_mut(|weights| {
+                weights.clear();
+                weights.extend(costs.iter().map(|&c| s.weight(c)));
+                let total: f64 = weights.iter().sum();
+                let target = rng.next_f64() * total;
+                let mut cumulative = 0.0;
+                for (i, &w) in weights.iter().enumerate() {
+                    cumulative += w;
+                    if cumulative >= target {
+                        return Some(i);
+                    }
                 }
-            }
-            Some(costs.len() - 1)
+                Some(costs.len() - 1)
+            })
         }
     }
+}
+
+thread_local! {
+    static WEIGHTS: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The softmax probabilities the picker samples from, written into `out` (same length as
