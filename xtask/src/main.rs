@@ -2,6 +2,8 @@
 //!
 //! - `ci`: everything CI checks, in order: fmt, clippy (`-D warnings`), tests, docs.
 //! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
+//! - `bench http [--seconds N] [--connections a,b]`: load test of `POST /select` against the
+//!   release server on loopback (docs/hot-path.md).
 //! - `replay --trace PATH [...]`: trace-driven routing-quality simulation of the selection
 //!   policies (docs/routing-quality.md).
 //!
@@ -13,6 +15,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
+mod bench_http;
 mod replay;
 #[cfg(test)]
 mod tidy;
@@ -33,6 +36,7 @@ fn run() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match task.as_str() {
         "ci" => ci(),
+        "bench" if rest.first().map(String::as_str) == Some("http") => bench_http::main(&rest[1..]),
         "bench" => {
             let mut a = vec!["bench", "-p", "benches"];
             a.extend(rest.iter().map(String::as_str));
@@ -40,7 +44,9 @@ fn run() -> Result<()> {
         }
         "replay" => replay::main(&rest),
         "" | "help" | "-h" | "--help" => {
-            eprintln!("usage: cargo xtask <ci | bench [criterion args] | replay --help>");
+            eprintln!(
+                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | replay --help>"
+            );
             Ok(())
         }
         other => bail!("unknown task {other:?}; expected ci, bench or replay"),

@@ -102,6 +102,11 @@ pub(crate) fn parse_json<T: DeserializeOwned>(
     bytes: &[u8],
     limits: &BodyLimits,
 ) -> Result<T, ApiError> {
+    if let Some(value) = try_parse_json(bytes, limits) {
+        return Ok(value);
+    }
+    // Parsing is deterministic, so this slower, tracked pass fails where the fast one did
+    // and names the field.
     check_bounds(bytes, limits)?;
     let first = bytes.iter().copied().find(|b| !b.is_ascii_whitespace());
     if first != Some(b'{') {
@@ -133,6 +138,23 @@ pub(crate) fn parse_json<T: DeserializeOwned>(
     Ok(value)
 }
 
+/// The happy path of [`parse_json`] alone: `Some` when the body is within bounds, an object,
+/// and deserializes without error; `None` means "ask [`parse_json`] for the exact error".
+/// Lets a route try a faster body type that may refuse what the exact one accepts (e.g.
+/// [`crate::dto::FastTokens`]) before falling back.
+pub(crate) fn try_parse_json<T: DeserializeOwned>(bytes: &[u8], limits: &BodyLimits) -> Option<T> {
+    check_bounds(bytes, limits).ok()?;
+    if bytes.iter().copied().find(|b| !b.is_ascii_whitespace()) != Some(b'{') {
+        return None;
+    }
+    // Without path tracking: it costs about a third of the parse of a long `token_ids` array
+    // (docs/hot-path.md), and only an error message needs the path.
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = T::deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    Some(value)
+}
+
 fn classify(e: &serde_json::Error, path: &str) -> ApiError {
     let detail = if path.is_empty() || path == "." {
         e.to_string()
@@ -150,7 +172,15 @@ fn classify(e: &serde_json::Error, path: &str) -> ApiError {
 
 /// Linear scan enforcing nesting depth and array length. It only has to be right on valid
 /// JSON; on invalid JSON whatever it reports is still a 4xx and serde reports the rest.
+/// Whether the body passes the depth and array-length bounds.
+pub(crate) fn within_bounds(bytes: &[u8], limits: &BodyLimits) -> bool {
+    check_bounds(bytes, limits).is_ok()
+}
+
 fn check_bounds(bytes: &[u8], limits: &BodyLimits) -> Result<(), ApiError> {
+    if trivially_within_bounds(bytes, limits) {
+        return Ok(());
+    }
     // Per open container: `Some(separators seen)` for arrays, `None` for objects.
     let mut stack: Vec<Option<usize>> = Vec::new();
     let mut i = 0;
@@ -198,6 +228,26 @@ fn check_bounds(bytes: &[u8], limits: &BodyLimits) -> Result<(), ApiError> {
         i += 1;
     }
     Ok(())
+}
+
+/// Whether the counts of openers and commas alone prove the bounds hold: a chain of depth `d`
+/// needs `d` openers and an array of `n` elements `n - 1` commas, and counting inside strings
+/// too only over-estimates. Typical bodies (a few openers, a few thousand commas) pass, and
+/// this branch-free count vectorizes, unlike the exact scan it skips (about 10x faster on a
+/// 14 KB `token_ids` body).
+fn trivially_within_bounds(bytes: &[u8], limits: &BodyLimits) -> bool {
+    let (mut openers, mut commas) = (0usize, 0usize);
+    // u8 counters over chunks that cannot overflow them: 16/32 bytes per SIMD compare.
+    for chunk in bytes.chunks(255) {
+        let (mut o, mut c) = (0u8, 0u8);
+        for &b in chunk {
+            o += u8::from((b == b'[') | (b == b'{'));
+            c += u8::from(b == b',');
+        }
+        openers += usize::from(o);
+        commas += usize::from(c);
+    }
+    openers <= limits.max_json_depth && commas < limits.max_array_len
 }
 
 #[cfg(test)]
@@ -256,6 +306,49 @@ mod tests {
         assert!(check_bounds(br#"{"a":"[[[[,,,,\"[[[["}"#, &l).is_ok());
         // object members are not array elements
         assert!(check_bounds(br#"{"a":1,"b":2,"c":3,"d":4}"#, &l).is_ok());
+    }
+
+    #[test]
+    fn the_counting_shortcut_agrees_with_the_exact_scan_at_the_limits() {
+        // Exactly at each limit passes, one over fails, whichever path decides.
+        let l = limits(3, 3);
+        for (body, ok) in [
+            (&br#"[[[1,2,3]]]"#[..], true),
+            (br#"[[[[1]]]]"#, false),
+            (br#"[1,2,3]"#, true),
+            (br#"[1,2,3,4]"#, false),
+            // over-counted by the shortcut (strings, sibling arrays), accepted by the scan
+            (br#"{"a":"[[[[,,,,","b":[1,2],"c":[3,4]}"#, true),
+        ] {
+            assert_eq!(
+                check_bounds(body, &l).is_ok(),
+                ok,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        assert!(trivially_within_bounds(br#"[[[1,2,3]]]"#, &l));
+        assert!(!trivially_within_bounds(br#"[1,2,3,4]"#, &l));
+        let long = format!("{{\"token_ids\":[{}]}}", vec!["123456"; 4096].join(","));
+        assert!(trivially_within_bounds(
+            long.as_bytes(),
+            &BodyLimits::default()
+        ));
+    }
+
+    #[test]
+    fn errors_after_the_fast_path_still_name_the_field() {
+        #[derive(Debug, serde::Deserialize)]
+        struct T {
+            #[expect(dead_code, reason = "only the error matters")]
+            token_ids: Vec<u32>,
+        }
+        let l = BodyLimits::default();
+        let e = parse_json::<T>(br#"{"token_ids":[1,2,-3]}"#, &l).unwrap_err();
+        assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(e.message.contains("token_ids[2]"), "{}", e.message);
+        let e = parse_json::<T>(br#"{"token_ids":[1,2}"#, &l).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
     }
 
     #[test]

@@ -832,6 +832,7 @@ fn default_name() -> String {
     "default".to_owned()
 }
 
+/// `/select` and `/select_and_reserve` bodies.
 #[derive(Deserialize)]
 pub(crate) struct WireSelection {
     #[serde(default)]
@@ -884,6 +885,19 @@ pub(crate) struct WireSelection {
 }
 
 impl WireSelection {
+    /// The selection-body fast path (docs/hot-path.md): `token_ids` cut out and parsed by
+    /// [`crate::tokens`], the small rest by serde without path tracking. `None` whenever
+    /// either declines; the caller then parses the whole body the exact way.
+    pub(crate) fn parse_fast(bytes: &[u8], limits: &crate::BodyLimits) -> Option<Self> {
+        if !crate::body::within_bounds(bytes, limits) {
+            return None;
+        }
+        let (tokens, rest) = crate::tokens::split_token_ids(bytes)?;
+        let mut wire: Self = crate::body::try_parse_json(&rest, limits)?;
+        wire.token_ids = Some(tokens);
+        Some(wire)
+    }
+
     /// Splits into prompt, options and the `advisory` flag.
     pub(crate) fn split(self, policy_class: Option<String>) -> (Prompt, SelectionOptions, bool) {
         let prompt = Prompt {
@@ -1128,6 +1142,43 @@ mod tests {
     fn prompt(json: &str) -> Prompt {
         let w: WireSelection = serde_json::from_str(json).unwrap();
         w.split(None).0
+    }
+
+    #[test]
+    fn the_selection_fast_path_agrees_with_the_exact_parse() {
+        let limits = crate::BodyLimits::default();
+        let exact = |body: &str| {
+            crate::body::parse_json::<WireSelection>(body.as_bytes(), &limits)
+                .map(|w| w.split(Some("c".into())))
+        };
+        for body in [
+            r#"{"token_ids":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#,
+            r#"{"model_name":"m","token_ids":[ 100000 , 2 ],"advisory":true,"session_id":"s"}"#,
+            r#"{"token_ids":[],"block_hashes":[-1,2],"routing_group":"g"}"#,
+            r#"{"token_ids":[7],"allowed_worker_ids":[3,1],"router_config_override":{"overlap_score_weight":2.0}}"#,
+        ] {
+            let fast = WireSelection::parse_fast(body.as_bytes(), &limits)
+                .map(|w| w.split(Some("c".into())));
+            assert_eq!(fast.as_ref(), exact(body).as_ref().ok(), "{body}");
+            assert!(fast.is_some(), "{body}");
+        }
+        // Declined by the fast path; the exact parse reports the contract's errors.
+        for (body, status) in [
+            (r#"{"token_ids":[1,-2]}"#, 422),
+            (r#"{"token_ids":[1],"token_ids":[2]}"#, 422),
+            (r#"{"token_ids":[1],"model_name":7}"#, 422),
+            (r#"{"token_ids":[1,2}"#, 400),
+            (r#"{"token_ids":[1]}x"#, 400),
+        ] {
+            assert!(
+                WireSelection::parse_fast(body.as_bytes(), &limits).is_none(),
+                "{body}"
+            );
+            let e = exact(body).unwrap_err();
+            assert_eq!(e.status.as_u16(), status, "{body}: {}", e.message);
+        }
+        let e = exact(r#"{"token_ids":[1,-2]}"#).unwrap_err();
+        assert!(e.message.contains("token_ids[1]"), "{}", e.message);
     }
 
     #[test]

@@ -197,6 +197,17 @@ impl<B: Backend> Routes<B> {
             }};
         }
 
+        // The fast token parser first; the exact one only for unusual or invalid bodies.
+        macro_rules! selection_body {
+            ($policy_class:expr) => {{
+                let bytes = read_json_body(headers, body, limits).await?;
+                match WireSelection::parse_fast(&bytes, limits) {
+                    Some(wire) => wire.split($policy_class),
+                    None => parse_json::<WireSelection>(&bytes, limits)?.split($policy_class),
+                }
+            }};
+        }
+
         match (route, method) {
             (Route::Health, Method::GET) => json(StatusCode::OK, &StatusOk::OK),
             (Route::Metrics, Method::GET) => Ok(metrics_response(be.metrics_text())),
@@ -219,8 +230,7 @@ impl<B: Backend> Routes<B> {
             }
             (Route::Select, Method::POST) => {
                 let policy_class = policy_class(headers);
-                let wire = json_body!(WireSelection);
-                let (prompt, options, advisory) = wire.split(policy_class);
+                let (prompt, options, advisory) = selection_body!(policy_class);
                 let req = SelectRequest {
                     prompt,
                     options,
@@ -230,8 +240,7 @@ impl<B: Backend> Routes<B> {
             }
             (Route::SelectAndReserve, Method::POST) => {
                 let policy_class = policy_class(headers);
-                let wire = json_body!(WireSelection);
-                let (prompt, options, _advisory) = wire.split(policy_class);
+                let (prompt, options, _advisory) = selection_body!(policy_class);
                 let req = SelectAndReserveRequest { prompt, options };
                 json(StatusCode::OK, &be.select_and_reserve(req).await?)
             }

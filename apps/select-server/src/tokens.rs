@@ -1,0 +1,302 @@
+//! The `token_ids` fast path of the selection routes (docs/hot-path.md).
+//!
+//! On a 2,048-token body, serde spent over half of the server's CPU on `token_ids`: a visitor
+//! call chain per element, and with `RawValue` still a full syntax pass before any
+//! conversion. [`split_token_ids`] instead walks the top level of the body object once, parses
+//! the `token_ids` array in place with a SWAR digit loop, and hands the remaining (small)
+//! object to serde. It only has to be right on the shapes it accepts: anything unusual
+//! (escaped keys, a duplicate key, `null`, negative or fractional ids, ids ≥ 2^32, leading
+//! zeros, stray bytes) returns `None`, and the caller parses the whole body the exact way,
+//! with serde's error messages and field paths.
+//!
+//! Why the split cannot accept an invalid body: the cut-out member is validated here
+//! (grammar of an array of integers), and everything else is validated by serde afterwards;
+//! strings are skipped by the same grammar serde uses, so both agree on where the top-level
+//! members start.
+
+/// Splits a JSON object body into its `token_ids` (an array of plain u32 literals) and the
+/// body without that member. `None` when the body has no such member or anything is unusual.
+pub(crate) fn split_token_ids(body: &[u8]) -> Option<(Vec<u32>, Vec<u8>)> {
+    let mut i = skip_ws(body, 0);
+    if body.get(i) != Some(&b'{') {
+        return None;
+    }
+    i = skip_ws(body, i + 1);
+    if body.get(i) == Some(&b'}') {
+        return None;
+    }
+    // (cut start, cut end, tokens)
+    let mut found: Option<(usize, usize, Vec<u32>)> = None;
+    let mut prev_comma: Option<usize> = None;
+    loop {
+        let key_start = i;
+        let key_end = skip_string(body, i)?;
+        let key = &body[key_start + 1..key_end - 1];
+        if key.contains(&b'\\') {
+            return None;
+        }
+        i = skip_ws(body, key_end);
+        if body.get(i) != Some(&b':') {
+            return None;
+        }
+        i = skip_ws(body, i + 1);
+        let is_tokens = key == b"token_ids";
+        let value_end = if is_tokens {
+            if found.is_some() {
+                return None; // duplicate: serde's error
+            }
+            let (tokens, end) = parse_token_array(body, i)?;
+            found = Some((key_start, end, tokens));
+            end
+        } else {
+            skip_value(body, i)?
+        };
+        i = skip_ws(body, value_end);
+        match body.get(i) {
+            Some(b',') => {
+                if let Some((start, end, _)) = found.as_mut()
+                    && is_tokens
+                {
+                    // Followed by another member: cut through this comma.
+                    debug_assert_eq!(*start, key_start);
+                    *end = i + 1;
+                }
+                prev_comma = Some(i);
+                i = skip_ws(body, i + 1);
+            }
+            Some(b'}') => {
+                if is_tokens
+                    && let (Some((start, _, _)), Some(comma)) = (found.as_mut(), prev_comma)
+                {
+                    // Last member: cut from the comma before it.
+                    *start = comma;
+                }
+                i += 1;
+                break;
+            }
+            _ => return None,
+        }
+    }
+    if skip_ws(body, i) != body.len() {
+        return None;
+    }
+    let (start, end, tokens) = found?;
+    let mut rest = Vec::with_capacity(body.len() - (end - start));
+    rest.extend_from_slice(&body[..start]);
+    rest.extend_from_slice(&body[end..]);
+    Some((tokens, rest))
+}
+
+/// Parses the array of plain u32 literals starting at `body[i]`; returns it and the index
+/// after its `]`.
+fn parse_token_array(body: &[u8], i: usize) -> Option<(Vec<u32>, usize)> {
+    if body.get(i) != Some(&b'[') {
+        return None;
+    }
+    let mut i = skip_ws(body, i + 1);
+    // Sized for ids of three or more digits (real vocabularies); shorter ones regrow.
+    let mut out = Vec::with_capacity((body.len() - i) / 4 + 1);
+    if body.get(i) == Some(&b']') {
+        return Some((out, i + 1));
+    }
+    loop {
+        let rest = body.get(i..)?;
+        let (value, len) = match swar_digits(rest) {
+            Some(parsed) => parsed,
+            None => slow_digits(rest)?,
+        };
+        // JSON forbids leading zeros ("01"); serde reports them.
+        if len > 1 && rest[0] == b'0' {
+            return None;
+        }
+        out.push(value);
+        i += len;
+        // Compact JSON has the separator right here; whitespace is the rare case.
+        if !matches!(body.get(i), Some(b',' | b']')) {
+            i = skip_ws(body, i);
+        }
+        match body.get(i) {
+            Some(b',') => i = skip_ws(body, i + 1),
+            Some(b']') => return Some((out, i + 1)),
+            // '.', 'e', '-', a nested value...: serde decides.
+            _ => return None,
+        }
+    }
+}
+
+/// A run of 1 to 7 digits at the start of `rest`, converted without a branch per digit (the
+/// unpredictable number lengths of token ids made the byte loop mispredict once per token).
+/// `None` when fewer than 8 bytes remain or the run is empty or 8+ digits long.
+fn swar_digits(rest: &[u8]) -> Option<(u32, usize)> {
+    const LANES_0F: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+    let word = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+    // Digits become 0..=9 in their lane; a lane is a non-digit iff its high nibble is set
+    // or its low nibble is 10..=15 (adding 6 then carries into bit 4, never across lanes).
+    let x = word ^ 0x3030_3030_3030_3030;
+    let non_digit =
+        (x & !LANES_0F) | (((x & LANES_0F) + 0x0606_0606_0606_0606) & 0x1010_1010_1010_1010);
+    let len = (non_digit.trailing_zeros() / 8) as usize;
+    if len == 0 || len == 8 {
+        return None;
+    }
+    // First digit in the lowest lane: shifting up pads the front with zero digits.
+    let mut v = x << (8 * (8 - len));
+    v = (v.wrapping_mul(10) + (v >> 8)) & 0x00ff_00ff_00ff_00ff;
+    v = (v.wrapping_mul(100) + (v >> 16)) & 0x0000_ffff_0000_ffff;
+    v = v.wrapping_mul(10_000) + (v >> 32);
+    Some(((v & 0xffff_ffff) as u32, len))
+}
+
+/// The digit run at the start of `rest` the plain way (array tails, 8+ digits); `None` when
+/// empty or not a u32.
+fn slow_digits(rest: &[u8]) -> Option<(u32, usize)> {
+    let len = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    // Eleven digits exceed u32 whatever they are; ten cannot overflow the u64 below.
+    if len == 0 || len > 10 {
+        return None;
+    }
+    let value = rest[..len]
+        .iter()
+        .fold(0u64, |v, &d| v * 10 + u64::from(d - b'0'));
+    Some((u32::try_from(value).ok()?, len))
+}
+
+fn skip_ws(body: &[u8], mut i: usize) -> usize {
+    while matches!(body.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        i += 1;
+    }
+    i
+}
+
+/// `body[i]` must open a string; returns the index after its closing quote.
+fn skip_string(body: &[u8], i: usize) -> Option<usize> {
+    if body.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut j = i + 1;
+    loop {
+        match body.get(j)? {
+            b'\\' => j += 2,
+            b'"' => return Some(j + 1),
+            _ => j += 1,
+        }
+    }
+}
+
+/// Skips one value starting at `body[i]` (serde validates it later); returns the index after.
+fn skip_value(body: &[u8], i: usize) -> Option<usize> {
+    match body.get(i)? {
+        b'"' => skip_string(body, i),
+        b'[' | b'{' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match body.get(j)? {
+                    b'"' => {
+                        j = skip_string(body, j)?;
+                        continue;
+                    }
+                    b'[' | b'{' => depth += 1,
+                    b']' | b'}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let len = body[i..]
+                .iter()
+                .take_while(|b| !matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
+                .count();
+            (len > 0).then_some(i + len)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(body: &str) -> Option<(Vec<u32>, String)> {
+        split_token_ids(body.as_bytes()).map(|(t, r)| (t, String::from_utf8(r).unwrap()))
+    }
+
+    #[test]
+    fn cuts_the_member_wherever_it_is() {
+        let check = |body: &str, tokens: &[u32], rest: &str| {
+            assert_eq!(
+                split(body),
+                Some((tokens.to_vec(), rest.to_owned())),
+                "{body}"
+            );
+        };
+        check(r#"{"token_ids":[1,2,3]}"#, &[1, 2, 3], "{}");
+        check(r#" { "token_ids" : [ ] } "#, &[], " {  } ");
+        check(
+            r#"{"token_ids":[7],"model_name":"m"}"#,
+            &[7],
+            r#"{"model_name":"m"}"#,
+        );
+        check(
+            r#"{"a":{"token_ids":[9]},"s":"x\",\"token_ids\":[","token_ids":[ 5 ,6 ]}"#,
+            &[5, 6],
+            r#"{"a":{"token_ids":[9]},"s":"x\",\"token_ids\":["}"#,
+        );
+        check(
+            r#"{"n":-1.5e3,"b":[true,null],"token_ids":[0,10],"c":false}"#,
+            &[0, 10],
+            r#"{"n":-1.5e3,"b":[true,null],"c":false}"#,
+        );
+    }
+
+    #[test]
+    fn declines_anything_unusual() {
+        for body in [
+            r#"{}"#,
+            r#"{"model_name":"m"}"#,
+            r#"{"token_ids":null}"#,
+            r#"{"token_ids":[1],"token_ids":[2]}"#,
+            r#"{"token\u005fids":[1]}"#,
+            r#"{"token_ids":[-1]}"#,
+            r#"{"token_ids":[1.0]}"#,
+            r#"{"token_ids":[1e3]}"#,
+            r#"{"token_ids":[01]}"#,
+            r#"{"token_ids":[4294967296]}"#,
+            r#"{"token_ids":[[1]]}"#,
+            r#"{"token_ids":["1"]}"#,
+            r#"{"token_ids":[1,]}"#,
+            r#"{"token_ids":[1 2]}"#,
+            r#"{"token_ids":[1]} x"#,
+            r#"{"token_ids":[1]"#,
+            r#"{"token_ids":[1] "a":1}"#,
+            r#"[1]"#,
+        ] {
+            assert_eq!(split(body), None, "{body}");
+        }
+    }
+
+    #[test]
+    fn numbers_of_every_length_on_both_digit_paths() {
+        // SWAR while 8 bytes remain, the plain loop at the tail; serde is the model.
+        let numbers: Vec<u32> = (0..=10)
+            .flat_map(|len| [10u64.pow(len) / 10 * 9 + 7, 10u64.pow(len)])
+            .filter_map(|n| u32::try_from(n).ok())
+            .chain([0, 9, 10, 99, 100, 127_999, 12_345_678, 99_999_999, u32::MAX])
+            .collect();
+        for sep in [",", " , ", ",\n  "] {
+            let list = numbers
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(sep);
+            let body = format!(r#"{{"token_ids":[{list}]}}"#);
+            let want: Vec<u32> = serde_json::from_str(&format!("[{list}]")).unwrap();
+            assert_eq!(split(&body), Some((want, "{}".to_owned())), "{body}");
+        }
+    }
+}

@@ -1,0 +1,530 @@
+//! `cargo xtask bench http`: end-to-end load test of `POST /select` (docs/hot-path.md).
+//!
+//! Builds the release `select-server`, starts it on a free loopback port in approximate mode
+//! (`DYN_ROUTER_USE_KV_EVENTS=false`, so no engine or ZMQ publisher is needed), registers
+//! [`WORKERS`] workers, gives each a cached 2,048-token prefix by booking it with
+//! `/select_and_reserve` pinned to that worker (then freeing the booking, so only the
+//! recorded blocks remain), and drives `POST /select` with 2,048-token bodies for a fixed time
+//! at each requested connection count. The load generator is a small hyper 1 client on a
+//! single-threaded tokio runtime: one keep-alive HTTP/1.1 connection per simulated client,
+//! requests back to back, every latency recorded and sorted for the percentiles.
+//!
+//! The server and the load generator share the machine's cores, so the figures are a lower
+//! bound of what the server alone sustains; `--perf` records a profile of the server during
+//! the last run (`perf record -g`), for `perf report --no-children`.
+
+use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use bytes::Bytes;
+use clap::Parser;
+use http::{Method, Request, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+
+/// Workers registered with the server, each holding one cached prefix.
+const WORKERS: u64 = 8;
+/// Tokens per KV block of every worker (2,048 tokens = 128 blocks).
+const BLOCK_SIZE: usize = 16;
+/// Tokens per `/select` body.
+const PROMPT_TOKENS: usize = 2048;
+/// Distinct request bodies cycled through (pre-serialized, so the client does no JSON work).
+const BODIES: usize = 64;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cargo xtask bench http",
+    about = "Load-test POST /select of the release select-server over loopback"
+)]
+struct Args {
+    /// Measured seconds per connection count (after a 1 s warm-up).
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Comma-separated connection counts, one run each.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16])]
+    connections: Vec<usize>,
+    /// Use this server binary instead of building target/release/select-server
+    /// (e.g. a saved copy of an older build, for before/after comparisons).
+    #[arg(long, value_name = "PATH")]
+    binary: Option<PathBuf>,
+    /// Record a `perf record -g` profile of the server during the last run into this file.
+    #[arg(long, value_name = "PATH")]
+    perf: Option<PathBuf>,
+}
+
+/// Entry point of `cargo xtask bench http ARGS`.
+pub(crate) fn main(args: &[String]) -> Result<()> {
+    let args =
+        Args::try_parse_from(std::iter::once("bench http").chain(args.iter().map(String::as_str)))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(args.seconds > 0, "--seconds must be at least 1");
+    ensure!(
+        !args.connections.is_empty() && args.connections.iter().all(|&c| c > 0),
+        "--connections must list positive counts"
+    );
+    let binary = match &args.binary {
+        Some(path) => path.clone(),
+        None => {
+            crate::cargo(&["build", "--release", "-p", "select-server"], &[])?;
+            crate::root().join("target/release/select-server")
+        }
+    };
+    let server = ServerProcess::start(&binary)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("failed to start the client runtime")?;
+    let results = runtime.block_on(drive(&args, &server))?;
+    print_results(&results);
+    Ok(())
+}
+
+/// One measured run.
+#[derive(Debug)]
+struct RunResult {
+    connections: usize,
+    requests: usize,
+    errors: usize,
+    elapsed: Duration,
+    /// Sorted ascending.
+    latencies: Vec<Duration>,
+    /// CPU time the server process used during the run (Linux only): on a shared machine
+    /// CPU per request is steadier than requests per second.
+    server_cpu: Option<Duration>,
+}
+
+impl RunResult {
+    fn percentile(&self, p: f64) -> Duration {
+        if self.latencies.is_empty() {
+            return Duration::ZERO;
+        }
+        let rank = ((self.latencies.len() - 1) as f64 * p / 100.0).round() as usize;
+        self.latencies[rank.min(self.latencies.len() - 1)]
+    }
+
+    fn rate(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// Server CPU microseconds per request.
+    fn cpu_per_request(&self) -> Option<f64> {
+        let cpu = self.server_cpu?;
+        (self.requests > 0).then(|| cpu.as_secs_f64() * 1e6 / self.requests as f64)
+    }
+}
+
+async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
+    let addr = server.addr;
+    let prefixes = populate(addr).await?;
+    let bodies = Arc::new(request_bodies(&prefixes));
+    // The cache must actually be hit, or the index walk is not exercised.
+    let mut probe = connect(addr).await?;
+    let (status, answer) = call(&mut probe, Method::POST, "/select", bodies[0].clone()).await?;
+    ensure!(status == StatusCode::OK, "probe /select: {status} {answer}");
+    let gpu = answer["overlap"]["gpu"].as_u64().unwrap_or(0);
+    ensure!(gpu > 0, "probe /select found no cached blocks: {answer}");
+    eprintln!(
+        "xtask bench http: probe selected worker {} with overlap {} tokens",
+        answer["worker_id"], gpu
+    );
+
+    let mut results = Vec::new();
+    for (i, &connections) in args.connections.iter().enumerate() {
+        eprintln!("xtask bench http: {connections} connection(s), 1 s warm-up");
+        load(addr, &bodies, connections, Duration::from_secs(1)).await?;
+        let last = i + 1 == args.connections.len();
+        let perf = match (&args.perf, last) {
+            (Some(out), true) => Some(PerfRecorder::start(server.pid(), out, args.seconds)?),
+            _ => None,
+        };
+        eprintln!(
+            "xtask bench http: {connections} connection(s), {} s measured",
+            args.seconds
+        );
+        let cpu_before = server.cpu_time();
+        let mut run = load(
+            addr,
+            &bodies,
+            connections,
+            Duration::from_secs(args.seconds),
+        )
+        .await?;
+        run.server_cpu = server
+            .cpu_time()
+            .zip(cpu_before)
+            .map(|(a, b)| a.saturating_sub(b));
+        if let Some(perf) = perf {
+            perf.finish()?;
+        }
+        ensure!(
+            run.errors == 0,
+            "{} of {} requests failed",
+            run.errors,
+            run.requests
+        );
+        results.push(run);
+    }
+    Ok(results)
+}
+
+/// Registers the workers and books each worker's prefix on it; returns the prefixes.
+async fn populate(addr: SocketAddr) -> Result<Vec<Vec<u32>>> {
+    let mut conn = connect(addr).await?;
+    for id in 0..WORKERS {
+        let worker = json!({
+            "worker_id": id,
+            "endpoint": format!("http://127.0.0.1:1/w{id}"),
+            "block_size": BLOCK_SIZE,
+            "total_kv_blocks": 1_000_000,
+            "max_num_batched_tokens": 1_000_000,
+        });
+        let (status, body) = call_json(&mut conn, Method::POST, "/workers", &worker).await?;
+        ensure!(
+            status == StatusCode::CREATED,
+            "POST /workers: {status} {body}"
+        );
+    }
+    let (status, body) = call(&mut conn, Method::GET, "/ready", Bytes::new()).await?;
+    ensure!(status == StatusCode::OK, "GET /ready: {status} {body}");
+
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    // A system prompt shared by every worker's prefix, so the walk branches after it.
+    let shared: Vec<u32> = (0..256).map(|_| rng.token()).collect();
+    let mut prefixes = Vec::new();
+    for id in 0..WORKERS {
+        let mut prefix = shared.clone();
+        prefix.extend((shared.len()..PROMPT_TOKENS).map(|_| rng.token()));
+        let req = json!({
+            "token_ids": prefix,
+            "pinned_worker": {"worker_id": id, "dp_rank": 0},
+        });
+        let (status, body) =
+            call_json(&mut conn, Method::POST, "/select_and_reserve", &req).await?;
+        ensure!(
+            status == StatusCode::OK,
+            "POST /select_and_reserve: {status} {body}"
+        );
+        let id = body["selection_id"]
+            .as_str()
+            .context("/select_and_reserve answered without a selection_id")?;
+        let path = format!("/reservations/{id}");
+        let (status, body) = call(&mut conn, Method::DELETE, &path, Bytes::new()).await?;
+        ensure!(status == StatusCode::OK, "DELETE {path}: {status} {body}");
+        prefixes.push(prefix);
+    }
+    Ok(prefixes)
+}
+
+/// Bodies of `/select`: a worker's prefix cut after 512, 1,024, 1,536 or 2,048 tokens, then
+/// fresh tokens up to [`PROMPT_TOKENS`], so the walk stops at different depths.
+fn request_bodies(prefixes: &[Vec<u32>]) -> Vec<Bytes> {
+    let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+    (0..BODIES)
+        .map(|i| {
+            let prefix = &prefixes[i % prefixes.len()];
+            let keep = PROMPT_TOKENS / 4 * (1 + (i / prefixes.len()) % 4);
+            let mut tokens: Vec<u32> = prefix[..keep].to_vec();
+            tokens.extend((keep..PROMPT_TOKENS).map(|_| rng.token()));
+            Bytes::from(json!({ "token_ids": tokens }).to_string())
+        })
+        .collect()
+}
+
+/// Runs `connections` clients sending requests back to back for `duration`.
+async fn load(
+    addr: SocketAddr,
+    bodies: &Arc<Vec<Bytes>>,
+    connections: usize,
+    duration: Duration,
+) -> Result<RunResult> {
+    let mut senders = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        senders.push(connect(addr).await?);
+    }
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::from_std(started + duration);
+    let mut tasks = Vec::with_capacity(connections);
+    for (c, mut sender) in senders.into_iter().enumerate() {
+        let bodies = Arc::clone(bodies);
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(1 << 16);
+            let mut errors = 0usize;
+            let mut i = c;
+            while tokio::time::Instant::now() < deadline {
+                let body = bodies[i % bodies.len()].clone();
+                i += 1;
+                let t = Instant::now();
+                let outcome = send(&mut sender, Method::POST, "/select", body).await;
+                latencies.push(t.elapsed());
+                match outcome {
+                    Ok((status, _)) if status == StatusCode::OK => {}
+                    Ok(_) => errors += 1,
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok::<_, anyhow::Error>((latencies, errors))
+        }));
+    }
+    let mut latencies = Vec::new();
+    let mut errors = 0;
+    for task in tasks {
+        let (l, e) = task.await.context("client task panicked")??;
+        latencies.extend(l);
+        errors += e;
+    }
+    let elapsed = started.elapsed();
+    latencies.sort_unstable();
+    Ok(RunResult {
+        connections,
+        requests: latencies.len(),
+        errors,
+        elapsed,
+        latencies,
+        server_cpu: None,
+    })
+}
+
+type Sender = SendRequest<Full<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> Result<Sender> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("connect {addr}"))?;
+    stream.set_nodelay(true)?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .context("HTTP/1.1 handshake")?;
+    tokio::spawn(async move {
+        // The connection ends when its sender is dropped; an error then is not interesting.
+        let _ = conn.await;
+    });
+    Ok(sender)
+}
+
+/// One request; returns the status and the raw body.
+async fn send(
+    sender: &mut Sender,
+    method: Method,
+    path: &str,
+    body: Bytes,
+) -> Result<(StatusCode, Bytes)> {
+    sender.ready().await.context("connection closed")?;
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, "127.0.0.1")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))?;
+    let resp = sender.send_request(req).await.context("request failed")?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok((status, body))
+}
+
+async fn call(
+    sender: &mut Sender,
+    method: Method,
+    path: &str,
+    body: Bytes,
+) -> Result<(StatusCode, Value)> {
+    let (status, raw) = send(sender, method, path, body).await?;
+    let value = serde_json::from_slice(&raw)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&raw).into_owned()));
+    Ok((status, value))
+}
+
+async fn call_json(
+    sender: &mut Sender,
+    method: Method,
+    path: &str,
+    body: &Value,
+) -> Result<(StatusCode, Value)> {
+    call(sender, method, path, Bytes::from(body.to_string())).await
+}
+
+#[expect(
+    clippy::print_stdout,
+    reason = "the results table is the task's output"
+)]
+fn print_results(results: &[RunResult]) {
+    println!(
+        "connections  requests      req/s   p50 (µs)   p99 (µs)  p99.9 (µs)   max (µs)  errors  server CPU µs/req"
+    );
+    for r in results {
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let cpu = r
+            .cpu_per_request()
+            .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.1}"));
+        println!(
+            "{:>11}  {:>8}  {:>9.0}  {:>9.0}  {:>9.0}  {:>10.0}  {:>9.0}  {:>6}  {cpu:>17}",
+            r.connections,
+            r.requests,
+            r.rate(),
+            us(r.percentile(50.0)),
+            us(r.percentile(99.0)),
+            us(r.percentile(99.9)),
+            us(r.latencies.last().copied().unwrap_or_default()),
+            r.errors,
+        );
+    }
+}
+
+/// Deterministic token ids below a realistic vocabulary size.
+#[derive(Debug)]
+struct XorShift(u64);
+
+impl XorShift {
+    fn token(&mut self) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % 128_000) as u32
+    }
+}
+
+/// The server child process; killed when dropped, so an error anywhere stops it.
+#[derive(Debug)]
+struct ServerProcess {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl ServerProcess {
+    fn start(binary: &std::path::Path) -> Result<Self> {
+        let port = StdListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .context("no free loopback port")?
+            .port();
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let child = Command::new(binary)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .env("DYN_ROUTER_USE_KV_EVENTS", "false")
+            // Recorded prefixes must outlive every run.
+            .env("DYN_ROUTER_TTL_SECS", "3600")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("failed to start {}", binary.display()))?;
+        let mut server = ServerProcess { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if StdStream::connect(addr).is_ok() {
+                eprintln!(
+                    "xtask bench http: server pid {} listening on {addr}",
+                    server.pid()
+                );
+                return Ok(server);
+            }
+            if let Some(status) = server.child.try_wait()? {
+                bail!("select-server exited during startup ({status})");
+            }
+            if Instant::now() > deadline {
+                bail!("select-server did not listen on {addr} within 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// User + system CPU time of the server so far, from `/proc/<pid>/stat` (fields 14 and
+    /// 15, in clock ticks; 100 Hz on every Linux this runs on). `None` elsewhere.
+    fn cpu_time(&self) -> Option<Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
+        // The command name (field 2) may contain spaces; the fields after it are plain.
+        let rest = stat.get(stat.rfind(')')? + 2..)?;
+        let mut fields = rest.split_ascii_whitespace().skip(11);
+        let utime: u64 = fields.next()?.parse().ok()?;
+        let stime: u64 = fields.next()?.parse().ok()?;
+        Some(Duration::from_millis((utime + stime) * 10))
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `perf record -g -p <server>` for the length of one run.
+#[derive(Debug)]
+struct PerfRecorder {
+    child: Child,
+}
+
+impl PerfRecorder {
+    fn start(pid: u32, out: &std::path::Path, seconds: u64) -> Result<Self> {
+        let child = Command::new("perf")
+            .args(["record", "-g", "-F", "999", "-o"])
+            .arg(out)
+            .args(["-p", &pid.to_string(), "--", "sleep", &seconds.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .context("failed to start perf (is linux-perf installed?)")?;
+        Ok(Self { child })
+    }
+
+    fn finish(mut self) -> Result<()> {
+        let status = self.child.wait()?;
+        ensure!(status.success(), "perf record failed ({status})");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_pick_the_nearest_rank() {
+        let run = RunResult {
+            connections: 1,
+            requests: 101,
+            errors: 0,
+            elapsed: Duration::from_secs(1),
+            latencies: (0..=100).map(Duration::from_micros).collect(),
+            server_cpu: Some(Duration::from_micros(202)),
+        };
+        assert_eq!(run.percentile(50.0), Duration::from_micros(50));
+        assert_eq!(run.percentile(99.0), Duration::from_micros(99));
+        assert_eq!(run.rate(), 101.0);
+        assert_eq!(run.cpu_per_request(), Some(2.0));
+    }
+
+    #[test]
+    fn bodies_have_the_prompt_length_and_cut_prefixes_at_four_depths() {
+        let prefixes: Vec<Vec<u32>> = (0..WORKERS as u32)
+            .map(|w| vec![w; PROMPT_TOKENS])
+            .collect();
+        let bodies = request_bodies(&prefixes);
+        assert_eq!(bodies.len(), BODIES);
+        let mut kept = std::collections::BTreeSet::new();
+        for (i, b) in bodies.iter().enumerate() {
+            let v: Value = serde_json::from_slice(b).unwrap();
+            let tokens = v["token_ids"].as_array().unwrap();
+            assert_eq!(tokens.len(), PROMPT_TOKENS);
+            let w = (i % prefixes.len()) as u64;
+            kept.insert(tokens.iter().take_while(|t| t.as_u64() == Some(w)).count() / 512);
+        }
+        assert_eq!(kept.into_iter().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn arguments_parse() {
+        let a = Args::try_parse_from(["x", "--seconds", "3", "--connections", "1,4,16"]).unwrap();
+        assert_eq!((a.seconds, a.connections), (3, vec![1, 4, 16]));
+        let d = Args::try_parse_from(["x"]).unwrap();
+        assert_eq!((d.seconds, d.connections), (10, vec![1, 16]));
+    }
+}
