@@ -3,6 +3,9 @@
 //! second pass on shifted workers to pass 10 M). Measured as the process's resident-set
 //! growth (`/proc/self/statm`), which includes allocator overhead and unused-but-touched
 //! capacity; a counting global allocator would need `unsafe`, which the workspace forbids.
+//! Also prints the index's own capacity-based figure (`PrefixIndex::allocated_bytes`:
+//! capacity × element size of every container, no allocator overhead), which does not
+//! depend on what else the process touched.
 //! Not a criterion measurement: it prints one figure.
 
 mod index_common;
@@ -29,13 +32,17 @@ fn main() {
         let stats = index.primary_stats();
         let delta = after.saturating_sub(before);
         // The trace copy was loaded before `before`, so it is not counted.
+        let allocated = index.primary().allocated_bytes();
+        let per = |bytes: u64| bytes as f64 / stats.memberships.max(1) as f64;
         eprintln!(
-            "index_memory: pass {pass}: {} memberships, {} nodes, {} workers; resident growth {} bytes = {:.1} B/membership",
+            "index_memory: pass {pass}: {} memberships, {} nodes, {} workers; resident growth {} bytes = {:.1} B/membership; allocated {} bytes = {:.1} B/membership",
             stats.memberships,
             stats.nodes,
             stats.workers,
             delta,
-            delta as f64 / stats.memberships.max(1) as f64
+            per(delta),
+            allocated,
+            per(allocated as u64),
         );
     }
     std::hint::black_box(&index);

@@ -363,6 +363,12 @@ impl KvIndex {
     }
 
     /// The tiered query of §4.4 into `out`.
+    /// The device tree's root-aligned chain of engine hashes for `query` (at most
+    /// `max_len`), for KV-transfer hints. Lower tiers do not extend it.
+    pub fn root_chain(&self, query: &[BlockHash], max_len: usize, out: &mut Vec<ExternalHash>) {
+        self.primary.root_chain(query, max_len, out);
+    }
+
     pub fn find_tiered(&self, query: &[BlockHash], out: &mut TieredMatches) {
         self.primary.find_matches(query, &mut out.device);
         out.hits.clear();

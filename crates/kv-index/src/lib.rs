@@ -26,10 +26,21 @@
 //!   A chain written by one event is contiguous in the slab, so a lookup walks it with
 //!   sequential reads and one compare per block; a hash probe happens only at real branch
 //!   points. Owner sets are sorted `u32` worker slots, the first three inline (16 bytes).
+//! - **Per-worker block maps** (`external hash → node`, needed by removes and parent
+//!   checks) are `hashbrown::HashTable<u32>`s holding only the node id: the key is read
+//!   from the node's `external` (a referenced node is never freed, its hash never
+//!   changes). The rare entry whose hash differs from its node's (another worker created
+//!   the node, or an engine reused a hash) lives in a small side map. 5 bytes per bucket
+//!   instead of 17.
 //!   A compressed (run-length) tree would save lookups but forces the reference's
 //!   cutoff semantics (§2.5), which differ from the normative model.
-//! - **Matching** narrows a sorted active set per depth; when a node's owner set equals
-//!   the active set (the common case inside a chain) the step is one slice compare.
+//! - **Matching** narrows a sorted active set per depth. Each node carries one bit "my
+//!   first child has my owner set", kept exact by every owner change (a one-slot change
+//!   of a node whose bit is set just clears it; otherwise one compare). Since the active
+//!   set is always a subset of the current node's owners, a step along such a child
+//!   leaves it unchanged and reads no owner set at all; the walk also reads the guessed
+//!   successor `id + 1` by id, so the CPU streams a contiguous chain instead of paying a
+//!   memory latency per block. Other steps compare or intersect the sets.
 //! - **Concurrency**: [`SharedKvIndex`] is a `parking_lot::RwLock<KvIndex>` whose write
 //!   sections cover exactly one operation (one engine event, one recorded decision, one
 //!   512-entry expiry chunk). Reads run in parallel. Sharding by worker does not fit a
@@ -37,20 +48,29 @@
 //!   more code; with one-event write sections the worst wait of a lookup is one event's
 //!   apply time (a Mooncake request at block size 16 is ~750 blocks, i.e. tens of µs).
 //!
-//! # Measurements (2-core shared machine, other builds running; 128 workers, tree from
-//! the Mooncake conversation trace, `cargo bench -p benches --bench <name> --
-//! --warm-up-time 1 --measurement-time 3`)
-//! - `index_lookup`, 4k-token prompt: 1.5 µs median at block size 64 (64 blocks; 1.46 M
-//!   nodes), 4.9 µs at block size 16 (256 blocks; 5.85 M nodes, 8.8 M memberships). The
-//!   walk costs ~19 ns per block, dominated by cache misses in a tree far larger than L2.
-//!   With one writer thread applying trace store/remove events to the same
-//!   [`SharedKvIndex`]: 6.5 µs (bs 64) and 15–21 µs (bs 16) median; the difference is
-//!   waiting for one event's write section and sharing two cores with the writer.
-//! - `index_apply`: 7.5 M stored+removed block ops/s on one core (store then remove of
-//!   1,000 requests on top of a 4.4 M-membership tree).
-//! - `index_memory` (resident-set growth): 70 B per membership at 8.8 M memberships
-//!   (1.5 memberships per node), 59 B at 17.4 M (3 per node). The per-worker
-//!   `external hash → node` maps (~26 B per membership) and the 48-byte node dominate.
+//! # Measurements (2-core shared machine, load average 2–5 from other builds, so figures
+//! move by ±30 % between runs; 128 workers, tree from the Mooncake conversation trace,
+//! `cargo bench -p benches --bench <name> -- --warm-up-time 1 --measurement-time 3`;
+//! "before" = the first version of this crate, run interleaved with "after")
+//! - `index_lookup`, 4k-token prompt, block size 16 (256 blocks; 5.85 M nodes, 8.8 M
+//!   memberships): 1.4–2.2 µs median (before: 3.2–4.9 µs). Block size 64 (64 blocks;
+//!   1.46 M nodes): 0.8–0.9 µs (before: 1.05–1.8 µs). The first child bit skips the
+//!   owner-set compare (a 512-byte `memcmp` behind two pointers on the 128-worker system
+//!   prompt), the guessed-successor read removes the per-block dependent miss. With one
+//!   writer thread applying trace store/remove events to the same [`SharedKvIndex`]:
+//!   9 µs (bs 16) and 4.7 µs (bs 64) median, which is waiting for one event's write
+//!   section and sharing two cores with the writer.
+//! - `index_apply`: 9.9 M stored+removed block ops/s on one core, median of 8 runs
+//!   interleaved with the old code, which gave 8.4 M/s in the same runs (7.5 M/s when
+//!   first measured); single runs range 8.5–11.5 M/s with the machine's load (store then
+//!   remove of 1,000 requests on top of a 4.4 M-membership tree). Removes probe all of an
+//!   event's hashes before touching nodes (independent misses overlap), and a map emptied
+//!   by removes is reset instead of being rehashed around its tombstones on the next fill.
+//! - `index_memory`: 44.6 B resident-set growth per membership at 8.8 M memberships
+//!   (1.5 per node), 32 B at 17.4 M (before: 70 B and 59 B). By capacity
+//!   ([`PrefixIndex::allocated_bytes`]: slab capacity including untouched pages, maps,
+//!   owner vectors, no allocator overhead): 56.9 B and 37.2 B. The 48-byte node is now
+//!   the largest part; the per-worker maps fell from ~26 to ~8 B per membership.
 
 mod index;
 mod lower;

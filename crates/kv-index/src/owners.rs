@@ -5,6 +5,9 @@
 //! vector, and they are few.
 
 /// Sorted, duplicate-free set of worker slot ids.
+///
+/// Representation invariants: `Heap` holds more than [`INLINE`] slots, and the unused
+/// lanes of `Inline` are 0, so [`Owners::same`] compares two inline sets as plain arrays.
 #[derive(Clone, Debug)]
 pub(crate) enum Owners {
     Inline {
@@ -35,6 +38,27 @@ impl Owners {
         match self {
             Owners::Inline { len, ids } => &ids[..usize::from(*len)],
             Owners::Heap(v) => v.as_slice(),
+        }
+    }
+
+    /// Set equality, without a `memcmp` call for the (common) inline sets.
+    #[inline]
+    pub(crate) fn same(&self, other: &Owners) -> bool {
+        match (self, other) {
+            (Owners::Inline { len: a, ids: x }, Owners::Inline { len: b, ids: y }) => {
+                a == b && x == y
+            }
+            _ => self.as_slice() == other.as_slice(),
+        }
+    }
+
+    /// Heap bytes owned by this set (0 when inline).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        match self {
+            Owners::Inline { .. } => 0,
+            Owners::Heap(v) => {
+                std::mem::size_of::<Vec<u32>>() + v.capacity() * std::mem::size_of::<u32>()
+            }
         }
     }
 
@@ -87,6 +111,7 @@ impl Owners {
             Owners::Inline { len, ids } => {
                 let n = usize::from(*len);
                 ids.copy_within(pos + 1..n, pos);
+                ids[n - 1] = 0;
                 *len -= 1;
             }
             Owners::Heap(v) => {
@@ -132,6 +157,16 @@ mod tests {
                 m.iter().copied().collect::<Vec<_>>().as_slice()
             );
             assert_eq!(o.contains(3), m.contains(&3));
+            if let Owners::Inline { len, ids } = &o {
+                assert!(ids[usize::from(*len)..].iter().all(|&x| x == 0));
+            }
+            assert_eq!(matches!(o, Owners::Heap(_)), o.len() > INLINE);
+            let copy = o.clone();
+            assert!(o.same(&copy));
+            let mut other = o.clone();
+            if other.insert(100) {
+                assert!(!o.same(&other));
+            }
         }
     }
 }

@@ -1,7 +1,10 @@
 //! The device-tier prefix trie of one partition (`spec/indexing.md` §2).
 
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
 use kv_types::{BlockHash, ExternalHash, StoredBlock, WorkerId, WorkerKey};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::owners::Owners;
 
@@ -9,6 +12,10 @@ use crate::owners::Owners;
 const ROOT: u32 = 0;
 /// "No node" marker for `first_child` and for free slab entries' `parent`.
 const NONE: u32 = u32::MAX;
+/// `Node::kids` bit: the first child's owner set equals this node's.
+const FC_SAME: u32 = 1 << 31;
+/// `Node::kids` bits holding the child count.
+const KIDS: u32 = !FC_SAME;
 
 /// One block position of the trie: a prefix of local hashes.
 ///
@@ -22,7 +29,10 @@ struct Node {
     external: u64,
     parent: u32,
     first_child: u32,
-    n_children: u32,
+    /// Child count, plus [`FC_SAME`]: set only while the first child's owner set equals
+    /// this node's, so a lookup walking a chain of one owner set never reads owner sets
+    /// (for a shared prefix, a 128-slot heap vector per block).
+    kids: u32,
     /// Number of per-worker map entries pointing here. A node is only freed when nothing
     /// can reach it any more, so a stale map entry can never alias a reused id.
     refs: u32,
@@ -36,7 +46,7 @@ impl Node {
             external,
             parent,
             first_child: NONE,
-            n_children: 0,
+            kids: 0,
             refs: 0,
             owners: Owners::default(),
         }
@@ -46,11 +56,102 @@ impl Node {
 #[derive(Debug)]
 struct WorkerState {
     key: WorkerKey,
-    /// External hash → node, per the spec's per-worker block identity.
-    blocks: FxHashMap<ExternalHash, u32>,
+    /// External hash → node, per the spec's per-worker block identity, for the usual case
+    /// where the hash is the node's own `external`: only the 4-byte node id is stored and
+    /// the key is read from the node (a node with a map entry is never freed, and its
+    /// `external` never changes). A quarter of a `HashMap<u64, u32>` entry.
+    blocks: HashTable<u32>,
+    /// External hash → node where the hash differs from the node's `external` (another
+    /// worker created the node under its own hash, or an engine reused a hash). Disjoint
+    /// from `blocks`.
+    foreign: FxHashMap<ExternalHash, u32>,
     /// Nodes whose owner set contains this slot (can exceed `blocks.len()` only when an
     /// engine reuses an external hash for a different position).
     owned: u32,
+}
+
+#[inline]
+fn ext_hash(ext: u64) -> u64 {
+    FxBuildHasher.hash_one(ext)
+}
+
+impl WorkerState {
+    fn new(key: WorkerKey) -> Self {
+        WorkerState {
+            key,
+            blocks: HashTable::new(),
+            foreign: FxHashMap::default(),
+            owned: 0,
+        }
+    }
+
+    /// The node this worker maps `ext` to.
+    #[inline]
+    fn get(&self, nodes: &[Node], ext: ExternalHash) -> Option<u32> {
+        if !self.foreign.is_empty()
+            && let Some(&node) = self.foreign.get(&ext)
+        {
+            return Some(node);
+        }
+        self.blocks
+            .find(ext_hash(ext.0), |&id| nodes[id as usize].external == ext.0)
+            .copied()
+    }
+
+    /// Maps `ext` to `node`; returns the previous node.
+    #[inline]
+    fn insert(&mut self, nodes: &[Node], ext: ExternalHash, node: u32) -> Option<u32> {
+        let hash = ext_hash(ext.0);
+        let eq = |&id: &u32| nodes[id as usize].external == ext.0;
+        if nodes[node as usize].external == ext.0 {
+            let previous = if self.foreign.is_empty() {
+                None
+            } else {
+                self.foreign.remove(&ext)
+            };
+            match self
+                .blocks
+                .entry(hash, eq, |&id| ext_hash(nodes[id as usize].external))
+            {
+                hashbrown::hash_table::Entry::Occupied(mut e) => {
+                    Some(std::mem::replace(e.get_mut(), node))
+                }
+                hashbrown::hash_table::Entry::Vacant(e) => {
+                    e.insert(node);
+                    previous
+                }
+            }
+        } else {
+            let previous = match self.blocks.find_entry(hash, eq) {
+                Ok(e) => Some(e.remove().0),
+                Err(_) => None,
+            };
+            self.foreign.insert(ext, node).or(previous)
+        }
+    }
+
+    /// Forgets `ext`; returns the node it mapped to.
+    #[inline]
+    fn remove(&mut self, nodes: &[Node], ext: ExternalHash) -> Option<u32> {
+        if !self.foreign.is_empty()
+            && let Some(node) = self.foreign.remove(&ext)
+        {
+            return Some(node);
+        }
+        match self
+            .blocks
+            .find_entry(ext_hash(ext.0), |&id| nodes[id as usize].external == ext.0)
+        {
+            Ok(e) => Some(e.remove().0),
+            Err(_) => None,
+        }
+    }
+
+    /// Bytes allocated by the maps.
+    fn allocated_bytes(&self) -> usize {
+        self.blocks.allocation_size()
+            + self.foreign.capacity() * (std::mem::size_of::<(ExternalHash, u32)>() + 1)
+    }
 }
 
 /// Result of applying one `Stored` to the primary.
@@ -188,6 +289,8 @@ pub struct PrefixIndex {
     free_slots: Vec<u32>,
     live_nodes: usize,
     memberships: usize,
+    /// Reused buffer of `apply_removed`.
+    scratch: Vec<u32>,
 }
 
 impl Default for PrefixIndex {
@@ -207,6 +310,7 @@ impl PrefixIndex {
             free_slots: Vec::new(),
             live_nodes: 0,
             memberships: 0,
+            scratch: Vec::new(),
         }
     }
 
@@ -216,6 +320,27 @@ impl PrefixIndex {
             memberships: self.memberships,
             workers: self.slot_of.len(),
         }
+    }
+
+    /// Bytes allocated by the index (slab, maps, owner vectors, per-worker maps), by
+    /// capacity; allocator overhead is not included. O(nodes): a diagnostic, not for hot
+    /// paths.
+    pub fn allocated_bytes(&self) -> usize {
+        let heap_owners: usize = self.nodes.iter().map(|n| n.owners.heap_bytes()).sum();
+        let workers: usize = self
+            .workers
+            .iter()
+            .flatten()
+            .map(WorkerState::allocated_bytes)
+            .sum();
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free_nodes.capacity() * std::mem::size_of::<u32>()
+            + self.branches.capacity() * (std::mem::size_of::<((u32, u64), u32)>() + 1)
+            + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
+            + self.slot_of.capacity() * (std::mem::size_of::<(WorkerKey, u32)>() + 1)
+            + self.free_slots.capacity() * std::mem::size_of::<u32>()
+            + heap_owners
+            + workers
     }
 
     /// Worker keys that currently have state, in no particular order.
@@ -238,7 +363,7 @@ impl PrefixIndex {
             Some(parent) => {
                 let found = self.slot_of.get(&worker).and_then(|&slot| {
                     let state = self.workers[slot as usize].as_ref()?;
-                    let node = *state.blocks.get(&parent)?;
+                    let node = state.get(&self.nodes, parent)?;
                     self.nodes[node as usize]
                         .owners
                         .contains(slot)
@@ -267,10 +392,12 @@ impl PrefixIndex {
                 if let Some(state) = self.workers[slot as usize].as_mut() {
                     state.owned += 1;
                 }
+                self.owners_changed(child);
             }
+            let nodes = &self.nodes;
             let previous = self.workers[slot as usize]
                 .as_mut()
-                .and_then(|state| state.blocks.insert(block.block_hash, child));
+                .and_then(|state| state.insert(nodes, block.block_hash, child));
             if previous != Some(child) {
                 changed = true;
                 self.nodes[child as usize].refs += 1;
@@ -295,25 +422,43 @@ impl PrefixIndex {
             out.not_found = hashes.len() as u32;
             return out;
         };
-        for hash in hashes {
-            let node = self.workers[slot as usize]
-                .as_mut()
-                .and_then(|state| state.blocks.remove(hash));
-            let Some(node) = node else {
-                out.not_found += 1;
-                continue;
-            };
-            out.removed += 1;
+        let Some(state) = self.workers[slot as usize].as_mut() else {
+            out.not_found = hashes.len() as u32;
+            return out;
+        };
+        // Two passes: the map probes are independent of each other, so the CPU overlaps
+        // their cache misses instead of serializing them behind each node's update. Map
+        // entries only point at nodes with `refs > 0`, which the second pass is the first
+        // to prune, so the order of effects is that of one pass.
+        let mut found = std::mem::take(&mut self.scratch);
+        found.clear();
+        for &hash in hashes {
+            match state.remove(&self.nodes, hash) {
+                Some(node) => found.push(node),
+                None => out.not_found += 1,
+            }
+        }
+        if state.blocks.is_empty() {
+            // Resets the tombstones the removes left, which would otherwise cost an
+            // in-place rehash (reading every entry's node) on the next fill.
+            state.blocks.clear();
+        }
+        out.removed = found.len() as u32;
+        let mut lost = 0;
+        for &node in &found {
             let n = &mut self.nodes[node as usize];
             n.refs -= 1;
             if n.owners.remove(slot) {
-                self.memberships -= 1;
-                if let Some(state) = self.workers[slot as usize].as_mut() {
-                    state.owned -= 1;
-                }
+                lost += 1;
+                self.owners_changed(node);
             }
             self.prune(node);
         }
+        self.memberships -= lost as usize;
+        if let Some(state) = self.workers[slot as usize].as_mut() {
+            state.owned -= lost;
+        }
+        self.scratch = found;
         out
     }
 
@@ -327,12 +472,13 @@ impl PrefixIndex {
             return false;
         };
         let mut owned = state.owned;
-        for (_, node) in state.blocks {
+        for node in state.blocks.into_iter().chain(state.foreign.into_values()) {
             let n = &mut self.nodes[node as usize];
             n.refs -= 1;
             if n.owners.remove(slot) {
                 owned -= 1;
                 self.memberships -= 1;
+                self.owners_changed(node);
             }
             self.prune(node);
         }
@@ -343,6 +489,7 @@ impl PrefixIndex {
                 let n = &mut self.nodes[id];
                 if n.parent != NONE && n.owners.remove(slot) {
                     self.memberships -= 1;
+                    self.owners_changed(id as u32);
                     self.prune(id as u32);
                 }
             }
@@ -369,6 +516,21 @@ impl PrefixIndex {
     ///
     /// One walk down the trie; the set of still-matching workers is narrowed at every depth
     /// and the walk stops as soon as it is empty.
+    /// The engine hashes along the query's path from the root, as far as the tree has it
+    /// (at most `max_len`): the root-aligned chain a KV-transfer hint names. Each node
+    /// carries the external hash of the store that created it.
+    pub fn root_chain(&self, query: &[BlockHash], max_len: usize, out: &mut Vec<ExternalHash>) {
+        out.clear();
+        let mut parent = ROOT;
+        for q in query.iter().take(max_len) {
+            let Some(node) = self.child(parent, q.0) else {
+                break;
+            };
+            out.push(ExternalHash(self.nodes[node as usize].external));
+            parent = node;
+        }
+    }
+
     pub fn find_matches(&self, query: &[BlockHash], out: &mut OverlapScores) {
         out.entries.clear();
         out.active.clear();
@@ -378,19 +540,47 @@ impl PrefixIndex {
         let Some(mut node) = self.child(ROOT, first.0) else {
             return;
         };
+        let nodes = self.nodes.as_slice();
         out.active
-            .extend_from_slice(self.nodes[node as usize].owners.as_slice());
+            .extend_from_slice(nodes[node as usize].owners.as_slice());
+        if out.active.is_empty() {
+            return;
+        }
         let mut depth: u32 = 1;
+        // Invariant: `active` is non-empty and a subset of `node`'s owner set.
         for h in &query[1..] {
-            if out.active.is_empty() {
-                return;
+            let n = &nodes[node as usize];
+            let fc = n.first_child;
+            // A chain stored by one event sits at consecutive ids. Reading the guessed
+            // successor by its id (not through `first_child`) gives the CPU an address
+            // that does not wait for this node's load, so the walk streams through the
+            // slab instead of paying one memory latency per block.
+            let guess = node.wrapping_add(1);
+            let guessed_local = nodes.get(guess as usize).map_or(!h.0, |g| g.local);
+            if fc == guess && n.kids & FC_SAME != 0 && guessed_local == h.0 {
+                node = guess;
+                depth += 1;
+                continue;
             }
-            let Some(next) = self.child(node, h.0) else {
+            let next = if fc != NONE && nodes[fc as usize].local == h.0 {
+                if n.kids & FC_SAME != 0 {
+                    // Same owner set as `node`, so `active` is unchanged.
+                    node = fc;
+                    depth += 1;
+                    continue;
+                }
+                fc
+            } else if n.kids & KIDS > u32::from(fc != NONE) {
+                match self.branches.get(&(node, h.0)) {
+                    Some(&c) => c,
+                    None => break,
+                }
+            } else {
                 break;
             };
-            let owners = self.nodes[next as usize].owners.as_slice();
+            let owners = nodes[next as usize].owners.as_slice();
             if owners != out.active.as_slice() {
-                let last_external = ExternalHash(self.nodes[node as usize].external);
+                let last_external = ExternalHash(n.external);
                 let entries = &mut out.entries;
                 let workers = &self.workers;
                 retain_intersection(&mut out.active, owners, |slot| {
@@ -402,6 +592,9 @@ impl PrefixIndex {
                         });
                     }
                 });
+                if out.active.is_empty() {
+                    return;
+                }
             }
             node = next;
             depth += 1;
@@ -502,11 +695,7 @@ impl PrefixIndex {
         if let Some(&slot) = self.slot_of.get(&worker) {
             return slot;
         }
-        let state = WorkerState {
-            key: worker,
-            blocks: FxHashMap::default(),
-            owned: 0,
-        };
+        let state = WorkerState::new(worker);
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.workers[slot as usize] = Some(state);
@@ -526,17 +715,14 @@ impl PrefixIndex {
     fn child(&self, parent: u32, local: u64) -> Option<u32> {
         let p = &self.nodes[parent as usize];
         let fc = p.first_child;
-        if fc != NONE {
-            if self.nodes[fc as usize].local == local {
-                return Some(fc);
-            }
-            if p.n_children == 1 {
-                return None;
-            }
-        } else if p.n_children == 0 {
-            return None;
+        if fc != NONE && self.nodes[fc as usize].local == local {
+            return Some(fc);
         }
-        self.branches.get(&(parent, local)).copied()
+        if p.kids & KIDS > u32::from(fc != NONE) {
+            self.branches.get(&(parent, local)).copied()
+        } else {
+            None
+        }
     }
 
     fn alloc_node(&mut self, parent: u32, local: u64, external: u64) -> u32 {
@@ -553,14 +739,45 @@ impl PrefixIndex {
             }
         };
         let p = &mut self.nodes[parent as usize];
+        p.kids += 1;
         if p.first_child == NONE {
             p.first_child = id;
+            // The new child's owner set is empty.
+            if p.owners.is_empty() {
+                p.kids |= FC_SAME;
+            } else {
+                p.kids &= KIDS;
+            }
         } else {
             self.branches.insert((parent, local), id);
         }
-        p.n_children += 1;
         self.live_nodes += 1;
         id
+    }
+
+    /// Recomputes the [`FC_SAME`] bit of `node`.
+    fn refresh_same(&mut self, node: u32) {
+        let n = &self.nodes[node as usize];
+        let same =
+            n.first_child != NONE && n.owners.same(&self.nodes[n.first_child as usize].owners);
+        let n = &mut self.nodes[node as usize];
+        n.kids = (n.kids & KIDS) | if same { FC_SAME } else { 0 };
+    }
+
+    /// Keeps the [`FC_SAME`] bits that compare `node`'s owner set exact after it changed.
+    fn owners_changed(&mut self, node: u32) {
+        let n = &mut self.nodes[node as usize];
+        if n.kids & FC_SAME != 0 {
+            // Equal before a one-slot change means different now: no need to read the
+            // child (a cache miss in the apply loops).
+            n.kids &= KIDS;
+        } else if n.first_child != NONE {
+            self.refresh_same(node);
+        }
+        let parent = self.nodes[node as usize].parent;
+        if parent != NONE && self.nodes[parent as usize].first_child == node {
+            self.refresh_same(parent);
+        }
     }
 
     /// Frees `node` and then its ancestors while they have no owners, no map references
@@ -568,17 +785,18 @@ impl PrefixIndex {
     fn prune(&mut self, mut node: u32) {
         while node != ROOT {
             let n = &self.nodes[node as usize];
-            if n.parent == NONE || !n.owners.is_empty() || n.refs > 0 || n.n_children > 0 {
+            if n.parent == NONE || !n.owners.is_empty() || n.refs > 0 || n.kids & KIDS > 0 {
                 return;
             }
             let (parent, local) = (n.parent, n.local);
             let p = &mut self.nodes[parent as usize];
+            p.kids -= 1;
             if p.first_child == node {
                 p.first_child = NONE;
+                p.kids &= KIDS;
             } else {
                 self.branches.remove(&(parent, local));
             }
-            p.n_children -= 1;
             self.nodes[node as usize] = Node::new(NONE, 0, 0);
             self.free_nodes.push(node);
             self.live_nodes -= 1;
@@ -629,6 +847,74 @@ mod tests {
 
     fn q(locals: &[u64]) -> Vec<BlockHash> {
         locals.iter().map(|&l| BlockHash(l)).collect()
+    }
+
+    impl PrefixIndex {
+        /// Checks the derived state the fast paths rely on.
+        fn check_invariants(&self) {
+            for (id, n) in self.nodes.iter().enumerate() {
+                if n.kids & FC_SAME != 0 {
+                    assert_ne!(n.first_child, NONE, "node {id}");
+                    let fc = &self.nodes[n.first_child as usize];
+                    assert_eq!(n.owners.as_slice(), fc.owners.as_slice(), "node {id}");
+                }
+            }
+            for state in self.workers.iter().flatten() {
+                for &id in &state.blocks {
+                    let ext = ExternalHash(self.nodes[id as usize].external);
+                    assert!(!state.foreign.contains_key(&ext));
+                    assert_eq!(state.get(&self.nodes, ext), Some(id));
+                }
+                for (&ext, &id) in &state.foreign {
+                    assert_ne!(self.nodes[id as usize].external, ext.0);
+                    assert_eq!(state.get(&self.nodes, ext), Some(id));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fast_path_state_stays_exact_under_random_ops() {
+        // Few locals and externals so that chains share nodes, externals are reused at
+        // other positions (the `foreign` map) and removals hit the middle of chains.
+        let mut idx = PrefixIndex::new();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let mut out = OverlapScores::new();
+        for step in 0..3000 {
+            let w = WorkerKey::new(next(5), 0);
+            match next(10) {
+                0..=5 => {
+                    let len = 1 + next(6) as usize;
+                    let pairs: Vec<(u64, u64)> =
+                        (0..len).map(|_| (next(3), 100 + next(12))).collect();
+                    let parent = (next(3) == 0).then(|| ExternalHash(100 + next(12)));
+                    idx.apply_stored(w, parent, &blocks(&pairs));
+                }
+                6..=8 => {
+                    let hashes: Vec<ExternalHash> = (0..1 + next(4))
+                        .map(|_| ExternalHash(100 + next(12)))
+                        .collect();
+                    idx.apply_removed(w, &hashes);
+                }
+                _ => {
+                    idx.remove_worker_key(w);
+                }
+            }
+            idx.check_invariants();
+            let query: Vec<u64> = (0..1 + next(6)).map(|_| next(3)).collect();
+            idx.find_matches(&q(&query), &mut out);
+            assert!(
+                out.entries().iter().all(|e| e.matched_blocks >= 1),
+                "{step}"
+            );
+        }
+        assert!(idx.allocated_bytes() > 0);
     }
 
     #[test]

@@ -774,6 +774,7 @@ impl SelectionCore {
         let result = self.schedule(&partition, &req, &mut scratch);
         let outcome = result.and_then(|(selection, isl, track, response_base)| {
             let tracking = scratch.tracking.clone();
+            let mut kv_hint = None;
             if let (Some(claim), Some(id)) = (claim.as_ref(), selection_id.as_ref()) {
                 self.book_claimed(
                     claim,
@@ -796,6 +797,7 @@ impl SelectionCore {
                 };
                 self.record_decision(&partition, selection.worker, &scratch.blocks);
                 claim.install_with_session(session.into_lease());
+                kv_hint = self.kv_hint(&partition, &scratch, selection.worker, id);
                 self.publish_booking(
                     &partition,
                     id,
@@ -840,11 +842,78 @@ impl SelectionCore {
                 isl_tokens: book.then_some(isl),
                 track_prefill_tokens: book.then_some(track),
                 worker_load: (req.advisory && !book).then_some(selection.worker_load),
+                kv_hint,
                 ..response_base
             })
         });
         partition.scratch.lock().push(scratch);
         outcome
+    }
+
+    /// The KV-transfer hint of a booking (http-api §5.4, scheduling §4.8): a source
+    /// rank holding a strictly longer root-aligned prefix than the chosen rank's
+    /// device + host-pinned blocks, of the same hint worker type, with a control endpoint.
+    fn kv_hint(
+        &self,
+        partition: &Partition,
+        scratch: &SelectScratch,
+        chosen: WorkerKey,
+        id: &str,
+    ) -> Option<crate::KvHint> {
+        let workers = partition.workers.read();
+        fn hint_type(w: &WorkerEntry) -> Option<&str> {
+            w.record
+                .router_hint_worker_type
+                .as_deref()
+                .filter(|t| !t.is_empty())
+        }
+        let target_type = hint_type(workers.get(&chosen.worker_id.0)?)?;
+        let index = partition.index.read();
+        if !self.config.router.use_kv_events || records_decisions(&index) {
+            return None;
+        }
+        let beat = scratch
+            .hits
+            .binary_search_by_key(&chosen, |h| h.worker)
+            .map_or(0, |i| scratch.hits[i].cpu());
+        // Hits are sorted by key, so a strictly longer prefix is needed to replace the best:
+        // ties go to the smallest (worker, rank).
+        let mut best: Option<(u32, &str)> = None;
+        for h in &scratch.hits {
+            let prefix = h.cpu();
+            if h.worker == chosen || prefix <= beat || best.is_some_and(|(p, _)| prefix <= p) {
+                continue;
+            }
+            let Some(w) = workers.get(&h.worker.worker_id.0) else {
+                continue;
+            };
+            if w.record.kv_event_source_mode.as_deref() == Some("state_agent_v2")
+                || hint_type(w) != Some(target_type)
+            {
+                continue;
+            }
+            let Some(endpoint) = w
+                .record
+                .router_hint_source_control_endpoints
+                .get(&h.worker.dp_rank.0)
+                .filter(|e| !e.is_empty())
+            else {
+                continue;
+            };
+            best = Some((prefix, endpoint.as_str()));
+        }
+        let (prefix, endpoint) = best?;
+        let prefix = prefix as usize;
+        let mut chain = Vec::with_capacity(prefix);
+        index.root_chain(&scratch.blocks, prefix, &mut chain);
+        if chain.len() < prefix || prefix == 0 {
+            return None;
+        }
+        Some(crate::KvHint {
+            message_id: id.to_owned(),
+            source_control_endpoint: endpoint.to_owned(),
+            block_hashes: chain.iter().map(|h| h.0).collect(),
+        })
     }
 
     /// Queue admission (§5): returns once the request may be scheduled. Waits on the

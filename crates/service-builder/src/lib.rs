@@ -20,7 +20,8 @@
 //!   error path (a drop guard), and bookings are made last.
 //!
 //! # Not yet here
-//! KV hints (`kv_hint` on bookings) are not produced yet. The admission queue runs only the
+//! KV hints name only the device tree's chain (a source whose advantage lies in host-pinned
+//! continuation blocks yields no hint). The admission queue runs only the
 //! synthetic policy class of `router_queue_threshold`: policy files are not parsed, and
 //! WSPT ordering sees no cached-token estimate (`best_cached_tokens` = 0).
 

@@ -1127,3 +1127,91 @@ fn a_busy_partition_queues_until_capacity_frees_and_shutdown_fails_waiters() {
         (503, "endpoint subscriber shutdown")
     );
 }
+
+// ------------------------------------------------------------ KV hints
+
+fn hint_worker(id: u64, control: Option<&str>, mode: Option<&str>) -> WorkerRequest {
+    WorkerRequest {
+        kv_events_endpoint: Some(format!("tcp://127.0.0.1:{}", free_port())),
+        router_hint_worker_type: Some("decode".into()),
+        router_hint_source_control_endpoints: control
+            .map(|c| BTreeMap::from([(0, c.to_owned())]))
+            .unwrap_or_default(),
+        kv_event_source_mode: mode.map(str::to_owned),
+        ..worker(id)
+    }
+}
+
+fn store(c: &SelectionCore, worker: u64, prompt: &[u32], first_external: u64) -> Vec<u64> {
+    let mut hashes = Vec::new();
+    kv_types::block_hashes_into(prompt, BLOCK, &HashOptions::default(), &mut hashes);
+    let blocks: Vec<kv_types::StoredBlock> = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            kv_types::StoredBlock::new(kv_types::ExternalHash(first_external + i as u64), *h)
+        })
+        .collect();
+    let externals = blocks.iter().map(|b| b.block_hash.0).collect();
+    let op = kv_types::KvOperation {
+        worker: WorkerKey::new(worker, 0),
+        tier: kv_types::StorageTier::Device,
+        event_id: 1,
+        kind: kv_types::KvOperationKind::Stored {
+            parent_hash: None,
+            blocks,
+        },
+    };
+    c.apply_events(&PartitionKey::default(), &[op]);
+    externals
+}
+
+#[test]
+fn bookings_carry_a_kv_hint_to_a_longer_cached_prefix() {
+    let c = core(CoreConfig {
+        rng_seed: Some(5),
+        ..CoreConfig::default()
+    });
+    c.upsert_worker(hint_worker(1, None, None)).unwrap();
+    c.upsert_worker(hint_worker(2, Some("tcp://10.0.0.2:5600"), None))
+        .unwrap();
+    c.upsert_worker(hint_worker(
+        3,
+        Some("tcp://10.0.0.3:5600"),
+        Some("state_agent_v2"),
+    ))
+    .unwrap();
+    let prompt: Vec<u32> = (0..32).collect();
+    let externals = store(&c, 2, &prompt[..24], 700);
+    store(&c, 3, &prompt, 900);
+    let pinned = |id: &str| SelectRequest {
+        selection_id: Some(id.into()),
+        pinned_worker: Some(WorkerKey::new(1, 0)),
+        prompt: PromptInput {
+            token_ids: Some(prompt.clone()),
+            ..PromptInput::default()
+        },
+        ..SelectRequest::default()
+    };
+    let booked = c.select_and_reserve(pinned("h1")).unwrap();
+    let hint = booked.kv_hint.expect("worker 2 holds a longer prefix");
+    assert_eq!(hint.message_id, "h1");
+    assert_eq!(hint.source_control_endpoint, "tcp://10.0.0.2:5600");
+    // Worker 3 holds more, but as a state_agent_v2 source it is never a hint source.
+    assert_eq!(hint.block_hashes, externals);
+    // Query-only selections never carry hints.
+    assert!(c.select(pinned("q")).unwrap().kv_hint.is_none());
+    // A chosen worker without a hint worker type gets none.
+    c.upsert_worker(WorkerRequest {
+        router_hint_worker_type: None,
+        ..hint_worker(1, None, None)
+    })
+    .unwrap();
+    assert!(
+        c.select_and_reserve(pinned("h2"))
+            .unwrap()
+            .kv_hint
+            .is_none()
+    );
+    c.shutdown();
+}
