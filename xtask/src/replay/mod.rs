@@ -282,13 +282,14 @@ fn file_safe(label: &str) -> String {
 mod tests {
     use super::*;
 
+    /// The first 2,000 requests of the conversation trace, vendored in `xtask/testdata` so
+    /// that CI needs nothing outside the repository.
     fn conversation_trace() -> PathBuf {
         let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/data/conversation_trace.jsonl");
+            .join("testdata/conversation_trace_head2000.jsonl");
         assert!(
             p.is_file(),
-            "the replay smoke test needs {} (shared/data beside the repository); it is \
-             missing",
+            "the replay smoke test needs {}; it is missing",
             p.display()
         );
         p
