@@ -47,7 +47,13 @@ impl SharedKvIndex {
 
     /// Applies one operation under a short write lock.
     pub fn apply(&self, op: &KvOperation) -> ApplyOutcome {
-        self.inner.write().apply(op)
+        let mut guard = self.inner.write();
+        let outcome = guard.apply(op);
+        // A fair unlock hands the lock to waiting lookups: an ingest loop that re-locks at
+        // once would otherwise keep readers waiting up to parking_lot's 0.5 ms fairness
+        // timeout.
+        parking_lot::RwLockWriteGuard::unlock_fair(guard);
+        outcome
     }
 
     /// Replays snapshot operations in order, one write section each.

@@ -1955,8 +1955,11 @@ impl SelectionCore {
             return;
         };
         for op in ops {
-            // One event per write section: a lookup never waits behind a whole batch.
-            p.index.write().apply(op);
+            // One event per write section, unlocked fairly: a lookup waits behind at most
+            // one event, never behind a whole batch or a writer that re-locks at once.
+            let mut index = p.index.write();
+            index.apply(op);
+            parking_lot::RwLockWriteGuard::unlock_fair(index);
         }
     }
 }
