@@ -145,6 +145,11 @@ struct Cli {
     /// Upper bound on live reservations (default: unbounded).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..), value_name = "N")]
     max_active_reservations: Option<u64>,
+
+    /// Longest prompt accepted, in tokens (`token_ids` or multimodal routing tokens); longer
+    /// prompts are rejected with 413 before any hashing.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..), value_name = "N")]
+    max_prompt_tokens: u64,
 }
 
 /// Everything the process was configured with. Plain data; `Default` equals the spec defaults.
@@ -164,6 +169,8 @@ pub struct ServerConfig {
     pub workers_file: Option<PathBuf>,
     pub auth_token_file: Option<PathBuf>,
     pub max_active_reservations: Option<u64>,
+    /// `--max-prompt-tokens`.
+    pub max_prompt_tokens: u64,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
@@ -194,6 +201,7 @@ impl Default for ServerConfig {
             workers_file: None,
             auth_token_file: None,
             max_active_reservations: None,
+            max_prompt_tokens: 1_000_000,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             active_request_expiry: DEFAULT_ACTIVE_REQUEST_EXPIRY,
@@ -318,6 +326,7 @@ impl ServerConfig {
             workers_file: cli.workers_file,
             auth_token_file: cli.auth_token_file,
             max_active_reservations: cli.max_active_reservations,
+            max_prompt_tokens: cli.max_prompt_tokens,
             router,
             policy_names,
             active_request_expiry,

@@ -763,6 +763,7 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
             .max_active_reservations
             .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         session_affinity_ttl: cfg.session_affinity_ttl,
+        max_prompt_tokens: usize::try_from(cfg.max_prompt_tokens).unwrap_or(usize::MAX),
         ..service_builder::CoreConfig::default()
     };
     let mut builder = service_builder::SelectionServiceBuilder::new(core);

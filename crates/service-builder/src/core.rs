@@ -61,6 +61,8 @@ pub struct CoreConfig {
     pub session_affinity_ttl: Option<Duration>,
     /// This replica's id as a session-binding writer (0 without replica sync).
     pub replica_id: u64,
+    /// Longest prompt accepted, in tokens; longer ones fail with 413 before hashing.
+    pub max_prompt_tokens: usize,
 }
 
 impl Default for CoreConfig {
@@ -75,6 +77,7 @@ impl Default for CoreConfig {
             rng_seed: None,
             session_affinity_ttl: None,
             replica_id: 0,
+            max_prompt_tokens: 1_000_000,
         }
     }
 }
@@ -1170,6 +1173,17 @@ impl SelectionCore {
                 _ => (None, &[]),
             };
         if let Some(tokens) = tokens {
+            if tokens.len() > self.config.max_prompt_tokens {
+                return Err(SelectionError::new(
+                    crate::ErrorKind::BadRequest,
+                    413,
+                    format!(
+                        "prompt has {} tokens; the maximum is {}",
+                        tokens.len(),
+                        self.config.max_prompt_tokens
+                    ),
+                ));
+            }
             let is_eagle = prompt.is_eagle.unwrap_or(partition.is_eagle);
             let opts = HashOptions {
                 lora_name: prompt.lora_name.as_deref(),

@@ -1215,3 +1215,19 @@ fn bookings_carry_a_kv_hint_to_a_longer_cached_prefix() {
     );
     c.shutdown();
 }
+
+#[test]
+fn prompts_over_the_token_limit_are_rejected_before_hashing() {
+    let c = core(CoreConfig {
+        max_prompt_tokens: 64,
+        ..approx_config()
+    });
+    c.upsert_worker(worker(1)).unwrap();
+    let e = c.select_and_reserve(select(tokens(65))).unwrap_err();
+    assert_eq!(
+        (e.status_code(), e.message()),
+        (413, "prompt has 65 tokens; the maximum is 64")
+    );
+    assert_eq!(c.reservation_count(), 0);
+    assert!(c.select(select(tokens(64))).is_ok());
+}
