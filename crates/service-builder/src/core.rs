@@ -779,18 +779,17 @@ impl SelectionCore {
             let tracking = scratch.tracking.clone();
             let mut kv_hint = None;
             if let (Some(claim), Some(id)) = (claim.as_ref(), selection_id.as_ref()) {
-                self.book_claimed(
-                    claim,
-                    &partition,
+                let booking = Booking {
                     id,
-                    selection.worker,
-                    &tracking,
+                    worker: selection.worker,
+                    tracking: &tracking,
                     isl,
-                    Some(selection.effective_prefill_tokens),
+                    prefill: Some(selection.effective_prefill_tokens),
                     track,
-                    req.expected_output_tokens,
-                    req.prompt.lora_name.clone(),
-                )?;
+                    expected_output_tokens: req.expected_output_tokens,
+                    lora_name: req.prompt.lora_name.as_deref(),
+                };
+                self.book_on(&partition, &booking, SlotPolicy::CreateMissing)?;
                 let binding = match session.commit(selection.worker) {
                     Ok(b) => b,
                     Err(e) => {
@@ -801,17 +800,7 @@ impl SelectionCore {
                 self.record_decision(&partition, selection.worker, &scratch.blocks);
                 claim.install_with_session(session.into_lease());
                 kv_hint = self.kv_hint(&partition, &scratch, selection.worker, id);
-                self.publish_booking(
-                    &partition,
-                    id,
-                    selection.worker,
-                    &tracking,
-                    track,
-                    Some(selection.effective_prefill_tokens),
-                    req.expected_output_tokens,
-                    req.prompt.lora_name.clone(),
-                    binding,
-                );
+                self.publish_booking(&partition, &booking, binding);
             } else if let Some(id) = &selection_id {
                 let retained = if records_decisions(&partition.index.read()) {
                     scratch.blocks.clone()
@@ -1307,62 +1296,21 @@ impl SelectionCore {
         })
     }
 
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one booking's inputs, passed through once"
-    )]
-    fn book_claimed(
-        &self,
-        _claim: &Claim<'_>,
-        partition: &Partition,
-        id: &str,
-        worker: WorkerKey,
-        tracking: &[SequenceHash],
-        isl: u64,
-        effective_prefill_tokens: Option<u64>,
-        track: bool,
-        expected_output_tokens: Option<u32>,
-        lora_name: Option<String>,
-    ) -> Result<(), SelectionError> {
-        self.book_on(
-            partition,
-            id,
-            worker,
-            tracking,
-            isl,
-            effective_prefill_tokens,
-            track,
-            expected_output_tokens,
-            lora_name,
-            SlotPolicy::CreateMissing,
-        )
-    }
-
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one booking's inputs, passed through once"
-    )]
+    /// Books `b` in the partition's ledger (running the throttled expiry scan first).
     fn book_on(
         &self,
         partition: &Partition,
-        id: &str,
-        worker: WorkerKey,
-        tracking: &[SequenceHash],
-        isl: u64,
-        effective_prefill_tokens: Option<u64>,
-        track: bool,
-        expected_output_tokens: Option<u32>,
-        lora_name: Option<String>,
+        b: &Booking<'_>,
         slot: SlotPolicy,
     ) -> Result<(), SelectionError> {
         let req = BookRequest {
-            worker,
-            tracking_hashes: tracking,
-            isl,
-            effective_prefill_tokens,
-            track_prefill_tokens: track,
-            expected_output_tokens,
-            lora_name: lora_name.map(Arc::from),
+            worker: b.worker,
+            tracking_hashes: b.tracking,
+            isl: b.isl,
+            effective_prefill_tokens: b.prefill,
+            track_prefill_tokens: b.track,
+            expected_output_tokens: b.expected_output_tokens,
+            lora_name: b.lora_name.map(Arc::from),
         };
         let now = Instant::now();
         let mut ledger = partition.ledger.lock();
@@ -1375,7 +1323,7 @@ impl SelectionCore {
             }
             _ => Vec::new(),
         };
-        let booked = ledger.book(ReservationId::new(id), &req, slot, now);
+        let booked = ledger.book(ReservationId::new(b.id), &req, slot, now);
         drop(ledger);
         self.metrics
             .expired_reservations
@@ -1386,27 +1334,19 @@ impl SelectionCore {
     }
 
     /// Tells replica peers about a booking that landed (and the session binding it made).
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one booking's inputs, passed through once"
-    )]
     fn publish_booking(
         &self,
         partition: &Partition,
-        id: &str,
-        worker: WorkerKey,
-        tracking: &[SequenceHash],
-        track: bool,
-        prefill: Option<u64>,
-        expected_output_tokens: Option<u32>,
-        lora_name: Option<String>,
+        b: &Booking<'_>,
         binding: Option<BindingUpdate>,
     ) {
         let Some(mesh) = self.mesh() else { return };
-        let kind = crate::replica::admission(tracking, track, prefill, expected_output_tokens);
+        let kind =
+            crate::replica::admission(b.tracking, b.track, b.prefill, b.expected_output_tokens);
+        let lora = b.lora_name.map(str::to_owned);
         crate::replica::publish(
             Some(&mesh),
-            crate::replica::sequence_event(partition, id, worker, lora_name, kind),
+            crate::replica::sequence_event(partition, b.id, b.worker, lora, kind),
         );
         if let Some(update) = binding
             && mesh.session_affinity()
@@ -1464,31 +1404,20 @@ impl SelectionCore {
                     .track_prefill_tokens(&req.router_config_override)
         });
         let claim = self.claim(&req.selection_id, &partition)?;
-        self.book_on(
-            &partition,
-            &req.selection_id,
+        let booking = Booking {
+            id: &req.selection_id,
             worker,
-            &scratch.tracking,
+            tracking: &scratch.tracking,
             isl,
-            req.effective_prefill_tokens,
+            prefill: req.effective_prefill_tokens,
             track,
-            req.expected_output_tokens,
-            req.prompt.lora_name.clone(),
-            SlotPolicy::RequireRegistered,
-        )?;
+            expected_output_tokens: req.expected_output_tokens,
+            lora_name: req.prompt.lora_name.as_deref(),
+        };
+        self.book_on(&partition, &booking, SlotPolicy::RequireRegistered)?;
         self.record_decision(&partition, worker, &scratch.blocks);
         claim.install();
-        self.publish_booking(
-            &partition,
-            &req.selection_id,
-            worker,
-            &scratch.tracking,
-            track,
-            req.effective_prefill_tokens,
-            req.expected_output_tokens,
-            req.prompt.lora_name.clone(),
-            None,
-        );
+        self.publish_booking(&partition, &booking, None);
         Ok(ReservationResponse {
             selection_id: req.selection_id.clone(),
             model_name: partition.key.model_name.clone(),
@@ -1528,18 +1457,17 @@ impl SelectionCore {
             (Some(table), Some(sid)) => self.hold_session(&partition, table, sid, Instant::now()),
             _ => SessionGuard::none(),
         };
-        self.book_on(
-            &partition,
-            &req.selection_id,
+        let booking = Booking {
+            id: &req.selection_id,
             worker,
-            &cached.tracking_hashes,
-            cached.isl,
-            Some(cached.effective_prefill_tokens),
-            cached.track_prefill,
-            cached.expected_output_tokens,
-            cached.lora_name.clone(),
-            SlotPolicy::RequireRegistered,
-        )?;
+            tracking: &cached.tracking_hashes,
+            isl: cached.isl,
+            prefill: Some(cached.effective_prefill_tokens),
+            track: cached.track_prefill,
+            expected_output_tokens: cached.expected_output_tokens,
+            lora_name: cached.lora_name.as_deref(),
+        };
+        self.book_on(&partition, &booking, SlotPolicy::RequireRegistered)?;
         let binding = match session.commit(worker) {
             Ok(b) => b,
             Err(e) => {
@@ -1551,17 +1479,7 @@ impl SelectionCore {
         };
         self.record_decision(&partition, worker, &cached.block_hashes);
         claim.install_with_session(session.into_lease());
-        self.publish_booking(
-            &partition,
-            &req.selection_id,
-            worker,
-            &cached.tracking_hashes,
-            cached.track_prefill,
-            Some(cached.effective_prefill_tokens),
-            cached.expected_output_tokens,
-            cached.lora_name.clone(),
-            binding,
-        );
+        self.publish_booking(&partition, &booking, binding);
         self.pending.lock().consume(key, generation);
         Ok(ReservationResponse {
             selection_id: req.selection_id.clone(),
@@ -1984,6 +1902,19 @@ impl IngressSink for std::sync::Weak<SelectionCore> {
             core.apply_events(partition, ops);
         }
     }
+}
+
+/// One booking's inputs, as the ledger and the replica peers both need them.
+struct Booking<'a> {
+    id: &'a str,
+    worker: WorkerKey,
+    tracking: &'a [SequenceHash],
+    isl: u64,
+    /// Prefill tokens to charge (when tracked and > 0).
+    prefill: Option<u64>,
+    track: bool,
+    expected_output_tokens: Option<u32>,
+    lora_name: Option<&'a str>,
 }
 
 /// An id claimed in the reservation index; released on drop unless installed.
