@@ -122,6 +122,14 @@ pub(crate) struct Partition {
 const EXPIRY_RECHECK: Duration = Duration::from_secs(30);
 
 impl Partition {
+    /// Whether `worker_id` is schedulable here (and, when given, serves global `rank`).
+    pub(crate) fn schedules(&self, worker_id: u64, rank: Option<u32>) -> bool {
+        self.workers
+            .read()
+            .get(&worker_id)
+            .is_some_and(|w| rank.is_none_or(|r| w.record.has_rank(r)))
+    }
+
     pub(crate) fn ledger(&self) -> &Mutex<Ledger> {
         &self.ledger
     }
@@ -330,17 +338,6 @@ impl SelectionCore {
     /// `GET /replica_sync/peers`, sorted; empty when disabled.
     pub fn replica_peers(&self) -> Vec<String> {
         self.mesh().map(|m| m.peers()).unwrap_or_default()
-    }
-
-    pub(crate) fn rank_schedulable(&self, p: &Partition, key: WorkerKey) -> bool {
-        p.workers
-            .read()
-            .get(&key.worker_id.0)
-            .is_some_and(|w| w.record.has_rank(key.dp_rank.0))
-    }
-
-    pub(crate) fn session_target_known(&self, p: &Partition, target: SessionTarget) -> bool {
-        self.target_schedulable(p, target)
     }
 
     pub(crate) fn has_booked_row(&self, id: &str) -> bool {
@@ -765,7 +762,7 @@ impl SelectionCore {
                     req.affinity_target = Some(affinity(target));
                 }
             } else if let Some(target) = table.read(sid, now)
-                && self.target_schedulable(&partition, target)
+                && partition.schedules(target.worker_id, target.dp_rank)
             {
                 req.affinity_target = Some(affinity(target));
             }
@@ -983,7 +980,7 @@ impl SelectionCore {
             match table.hold(sid, now) {
                 Hold::Init => return SessionGuard::init(table, sid),
                 Hold::Full => return SessionGuard::none(),
-                Hold::Bound(target) if self.target_schedulable(partition, target) => {
+                Hold::Bound(target) if partition.schedules(target.worker_id, target.dp_rank) => {
                     return SessionGuard::bound(table, sid, target);
                 }
                 Hold::Bound(target) => {
@@ -993,14 +990,6 @@ impl SelectionCore {
             }
         }
         SessionGuard::none()
-    }
-
-    fn target_schedulable(&self, partition: &Partition, target: SessionTarget) -> bool {
-        partition
-            .workers
-            .read()
-            .get(&target.worker_id)
-            .is_some_and(|w| target.dp_rank.is_none_or(|r| w.record.has_rank(r)))
     }
 
     /// Hashes, looks up, builds candidates and runs the policy.

@@ -141,7 +141,7 @@ impl SelectionCore {
                 let now = Instant::now();
                 match e.kind {
                     SequenceEventKind::AddRequest(a) => {
-                        if !self.rank_schedulable(&p, e.worker) {
+                        if !p.schedules(e.worker.worker_id.0, Some(e.worker.dp_rank.0)) {
                             return count(&stats.unknown_worker);
                         }
                         if self.has_booked_row(&e.request_id) {
@@ -211,7 +211,7 @@ impl SelectionCore {
                     worker_id: b.worker_id.0,
                     dp_rank: b.dp_rank.map(|r| r.0),
                 };
-                if !self.session_target_known(&p, target)
+                if !p.schedules(target.worker_id, target.dp_rank)
                     || b.session_id.len() > crate::session::MAX_SESSION_ID_BYTES
                 {
                     return count(&stats.unknown_worker);
