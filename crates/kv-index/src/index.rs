@@ -315,6 +315,42 @@ impl KvIndex {
         }
     }
 
+    /// One piece of a device-tier store that the caller split so that no single write
+    /// section is long (a 750-block event costs ~75 µs): pieces applied in order, each
+    /// with the previous piece's last engine hash as its parent, give the same index as the
+    /// whole event. Only the first piece (`first = true`) counts in [`ApplyCounters`], so
+    /// the counters still count events. A rejected piece leaves later pieces orphaned:
+    /// stop at the first [`ApplyOutcome::ParentBlockNotFound`].
+    pub fn apply_stored_piece(
+        &mut self,
+        worker: WorkerKey,
+        parent_hash: Option<ExternalHash>,
+        blocks: &[StoredBlock],
+        first: bool,
+    ) -> ApplyOutcome {
+        let outcome = self.primary.apply_stored(worker, parent_hash, blocks);
+        let counted = |n: &mut u64| {
+            if first {
+                *n += 1;
+            }
+        };
+        match outcome {
+            StoreOutcome::ParentNotFound => {
+                counted(&mut self.counters.stored_parent_block_not_found);
+                ApplyOutcome::ParentBlockNotFound
+            }
+            StoreOutcome::Duplicate => {
+                counted(&mut self.counters.stored_ok);
+                counted(&mut self.counters.duplicate_store);
+                ApplyOutcome::DuplicateStore
+            }
+            _ => {
+                counted(&mut self.counters.stored_ok);
+                ApplyOutcome::Ok
+            }
+        }
+    }
+
     /// `Cleared` fan-out (§4.3): primary and every existing lower tier. The side index
     /// and approximate timers are untouched (they are not fed by engine events).
     fn clear_worker_key(&mut self, worker: WorkerKey) {

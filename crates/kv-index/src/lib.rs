@@ -89,6 +89,6 @@ pub use lower::LowerTierIndex;
 pub use primary::{
     OverlapEntry, OverlapScores, PrefixIndex, PrefixIndexStats, RemoveOutcome, StoreOutcome,
 };
-pub use shared::{RestoreReport, SharedKvIndex};
+pub use shared::{RestoreReport, STORE_PIECE_BLOCKS, SharedKvIndex, apply_fairly};
 pub use tiers::{InstanceOverlap, TierHits, TierWeights, TieredMatches};
 pub use ttl::TtlTracker;

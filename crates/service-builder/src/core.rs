@@ -1876,11 +1876,9 @@ impl SelectionCore {
             return;
         };
         for op in ops {
-            // One event per write section, unlocked fairly: a lookup waits behind at most
-            // one event, never behind a whole batch or a writer that re-locks at once.
-            let mut index = p.index.write();
-            index.apply(op);
-            parking_lot::RwLockWriteGuard::unlock_fair(index);
+            // Short write sections, unlocked fairly: a lookup waits behind at most one piece
+            // of one event, never behind a whole batch or a writer that re-locks at once.
+            kv_index::apply_fairly(&p.index, op);
         }
     }
 }

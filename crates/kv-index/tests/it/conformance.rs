@@ -350,3 +350,37 @@ fn dump_of_the_spec_example_replays_to_the_same_answers() {
         assert_eq!(matches(&copy, query), matches(&idx, query));
     }
 }
+
+/// A store applied in pieces (each piece's parent = the previous piece's last block) equals
+/// the whole store, in answers and in counters.
+#[test]
+fn a_store_applied_in_pieces_equals_the_whole_store() {
+    let w = WorkerKey::new(1, 0);
+    let pairs: Vec<(u64, u64)> = (1..=1000).map(|i| (i, 10_000 + i)).collect();
+    let whole_op = stored(w, StorageTier::Device, None, &pairs);
+    let mut whole = KvIndex::with_block_size(16);
+    whole.apply(&whole_op);
+
+    let mut pieces = KvIndex::with_block_size(16);
+    let kv_types::KvOperationKind::Stored { blocks, .. } = &whole_op.kind else {
+        unreachable!()
+    };
+    let mut parent = None;
+    for (i, piece) in blocks.chunks(128).enumerate() {
+        assert_eq!(
+            pieces.apply_stored_piece(w, parent, piece, i == 0),
+            ApplyOutcome::Ok
+        );
+        parent = piece.last().map(|b| b.block_hash);
+    }
+    let query: Vec<u64> = (1..=1000).collect();
+    assert_eq!(matches(&pieces, &query), matches(&whole, &query));
+    assert_eq!(matches(&pieces, &query).get(&(1, 0)), Some(&1000));
+    assert_eq!(pieces.counters(), whole.counters());
+
+    // An unknown parent rejects the first piece and is counted once.
+    let mut orphan = KvIndex::with_block_size(16);
+    let out = orphan.apply_stored_piece(w, Some(kv_types::ExternalHash(7)), &blocks[..10], true);
+    assert_eq!(out, ApplyOutcome::ParentBlockNotFound);
+    assert_eq!(orphan.counters().stored_parent_block_not_found, 1);
+}

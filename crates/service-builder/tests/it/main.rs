@@ -1231,3 +1231,27 @@ fn prompts_over_the_token_limit_are_rejected_before_hashing() {
     assert_eq!(c.reservation_count(), 0);
     assert!(c.select(select(tokens(64))).is_ok());
 }
+
+#[test]
+fn long_stores_are_applied_in_pieces_with_the_same_result() {
+    let c = core(CoreConfig {
+        rng_seed: Some(9),
+        ..CoreConfig::default()
+    });
+    c.upsert_worker(hint_worker(1, None, None)).unwrap();
+    let prompt: Vec<u32> = (0..2400).collect();
+    store(&c, 1, &prompt, 5_000);
+    let r = c
+        .select(select(PromptInput {
+            token_ids: Some(prompt),
+            ..PromptInput::default()
+        }))
+        .unwrap();
+    assert_eq!(r.overlap.gpu, 2400, "all 600 blocks indexed");
+    let counters = &c.index_counters()[0].1;
+    assert_eq!(
+        (counters.stored_ok, counters.stored_parent_block_not_found),
+        (1, 0)
+    );
+    c.shutdown();
+}
