@@ -1,11 +1,11 @@
 //! The kv-select selection service, in process: the only crate where the sibling crates
-//! meet (`kv-events`, `kv-index`, `load-accounting`, `selection-policy`).
+//! meet (`kv-events`, `kv-index`, `load-accounting`, `selection-policy`, `replica-sync`).
 //!
 //! [`SelectionServiceBuilder`] validates a [`CoreConfig`] and starts a [`SelectionService`]
-//! (background expiry, KV listeners); [`SelectionCore::try_new_local`] gives the same
-//! operations without any task, for tests and embedding. Every operation mirrors an HTTP
-//! route of `spec/http-api.md` and fails with a [`SelectionError`] carrying the route's
-//! status code and message.
+//! (periodic expiry and queue re-check, KV listeners, the replica mesh);
+//! [`SelectionCore::try_new_local`] gives the same operations without any task, for tests
+//! and embedding. Every operation mirrors an HTTP route of `spec/http-api.md` and fails
+//! with a [`SelectionError`] carrying the route's status code and message.
 //!
 //! # Invariants
 //! - Worker ids are service-wide; a partition `(model_name, routing_group)` is created by
@@ -15,7 +15,8 @@
 //!   reservation right after a registration never sees a missing rank.
 //! - Hashing happens before any lock; a selection holds the index read lock only for the
 //!   lookup and the ledger lock only while reading projections. Event ingestion takes the
-//!   index write lock once per event, never per batch.
+//!   index write lock per event (per 128-block piece of a long store), never per batch, and
+//!   unlocks fairly so lookups are not starved.
 //! - A failed operation changes no state: claims of reservation ids are released on every
 //!   error path (a drop guard), and bookings are made last.
 //!
