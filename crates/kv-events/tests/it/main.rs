@@ -120,6 +120,15 @@ impl Collector {
     pub(crate) fn assert_quiet(&self) {
         assert!(self.rx.recv_timeout(Duration::from_millis(200)).is_err());
     }
+
+    /// Like [`Self::assert_quiet`], but batches without operations (keep-alives) are fine.
+    pub(crate) fn assert_quiet_except_empty(&self) {
+        let deadline = Instant::now() + WAIT;
+        while let Ok(batch) = self.rx.recv_timeout(Duration::from_millis(200)) {
+            assert!(batch.is_empty(), "unexpected batch {batch:?}");
+            assert!(Instant::now() < deadline, "keep-alives never stopped");
+        }
+    }
 }
 
 pub(crate) fn wait_until(mut cond: impl FnMut() -> bool) {

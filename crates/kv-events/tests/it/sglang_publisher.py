@@ -64,9 +64,15 @@ def main():
         publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
     print("published", flush=True)
 
+    # A SUB that connected late (its reconnect backoff can exceed the sleep above on a busy
+    # machine) missed everything and could not even see a gap. Keep publishing empty
+    # batches: the first one it receives reveals the gap, and the listener replays the
+    # script from the ROUTER. The test ignores empty batches.
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-    done.wait(timeout=60)
+    deadline = time.time() + 60
+    while not done.wait(timeout=0.2) and time.time() < deadline:
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[]))
     publisher.shutdown()
 
 
