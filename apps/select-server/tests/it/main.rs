@@ -3,6 +3,7 @@
 
 mod binary;
 mod fake;
+mod http;
 mod mesh;
 mod routes;
 mod serve;

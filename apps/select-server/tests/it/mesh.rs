@@ -6,20 +6,13 @@
     reason = "test helpers fail loudly on a broken fixture"
 )]
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use crate::http::free_port;
 
 /// One replica's fixed ports: kept across a restart so that peers reconnect by themselves.
 #[derive(Clone, Copy)]
@@ -74,23 +67,7 @@ impl Replica {
     }
 
     fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-        let body = body.map(Value::to_string).unwrap_or_default();
-        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut raw = String::new();
-        s.read_to_string(&mut raw).unwrap();
-        let status: u16 = raw[9..12].parse().unwrap();
-        let text = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-        (
-            status,
-            serde_json::from_str(text).unwrap_or(Value::String(text.to_owned())),
-        )
+        crate::http::call(self.port, method, path, body)
     }
 
     fn post(&self, path: &str, body: Value) -> (u16, Value) {
