@@ -97,6 +97,12 @@ struct Cli {
     )]
     replica_sync_peers: Vec<String>,
 
+    /// File with the replica-sync pre-shared key (32+ raw bytes, or 64+ hex digits). Every
+    /// replica message then carries a keyed BLAKE3 MAC; messages without a valid one are
+    /// dropped. All replicas need the same key. Requires --replica-sync-port.
+    #[arg(long, requires = "replica_sync_port", value_name = "PATH")]
+    replica_sync_key_file: Option<PathBuf>,
+
     /// Session-affinity TTL in seconds (1-31536000); enables session tables.
     #[arg(long, value_parser = parse_affinity_ttl, value_name = "SECS")]
     session_affinity_ttl_secs: Option<Duration>,
@@ -133,14 +139,26 @@ struct Cli {
     #[arg(long)]
     no_router_assume_kv_reuse: bool,
 
-    /// JSON file with an array of worker records (POST /workers bodies) registered at startup.
+    /// YAML router policy file: `router:` overrides, policy `classes`, `worker_selection`
+    /// instances (see docs/operations.md) [env: DYN_ROUTER_POLICY_CONFIG].
+    #[arg(long, value_name = "PATH")]
+    router_policy_config: Option<PathBuf>,
+
+    /// File with a list of worker records (POST /workers bodies): YAML when named *.yaml or
+    /// *.yml, else JSON. Registered at startup, then polled and reconciled.
     #[arg(long, value_name = "PATH")]
     workers_file: Option<PathBuf>,
 
-    /// File holding a bearer token; when given, every route except /health requires
-    /// `Authorization: Bearer <token>`.
+    /// File of bearer tokens, one per line (blank lines and # comments ignored, at least 16
+    /// bytes each); when given, every route except /health requires
+    /// `Authorization: Bearer <token>` with one of them.
     #[arg(long, value_name = "PATH")]
     auth_token_file: Option<PathBuf>,
+
+    /// File of read-only bearer tokens (same format), accepted only on GET routes,
+    /// /potential_loads and /overlap_scores. Requires --auth-token-file.
+    #[arg(long, requires = "auth_token_file", value_name = "PATH")]
+    auth_read_only_token_file: Option<PathBuf>,
 
     /// Upper bound on live reservations (default: unbounded).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..), value_name = "N")]
@@ -168,12 +186,23 @@ pub struct ServerConfig {
     pub tracking: TrackingSettings,
     pub workers_file: Option<PathBuf>,
     pub auth_token_file: Option<PathBuf>,
+    pub auth_read_only_token_file: Option<PathBuf>,
+    /// The tokens of both files, loaded and validated at parse time (digests only).
+    pub auth: crate::auth::AccessTokens,
+    /// `--replica-sync-key-file`, loaded and validated at parse time.
+    pub replica_sync_key: Option<replica_sync::ReplicaKey>,
     pub max_active_reservations: Option<u64>,
     /// `--max-prompt-tokens`.
     pub max_prompt_tokens: u64,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
+    /// Policy classes of the policy file (`None`: the synthetic class of
+    /// `router_queue_threshold` / `router_queue_policy`).
+    pub policy_classes: Option<selection_policy::PolicyClasses>,
+    /// The worker-selection instance chosen by `DYN_ROUTER_WORKER_SELECTION_POLICY`, as
+    /// `(name, its router configuration)`; `None` = the built-in policy over [`Self::router`].
+    pub worker_selection: Option<(String, RouterConfig)>,
     /// `DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`.
     pub active_request_expiry: Duration,
     /// `DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS`; `None` = refresh disabled.
@@ -200,10 +229,15 @@ impl Default for ServerConfig {
             tracking: TrackingSettings::default(),
             workers_file: None,
             auth_token_file: None,
+            auth_read_only_token_file: None,
+            auth: crate::auth::AccessTokens::default(),
+            replica_sync_key: None,
             max_active_reservations: None,
             max_prompt_tokens: 1_000_000,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
+            policy_classes: None,
+            worker_selection: None,
             active_request_expiry: DEFAULT_ACTIVE_REQUEST_EXPIRY,
             overlap_refresh_after: Some(DEFAULT_OVERLAP_REFRESH_AFTER),
             min_initial_workers: 0,
@@ -279,6 +313,49 @@ impl ServerConfig {
 
     fn build(cli: Cli, env: &mut EnvReader<'_>) -> Result<Self, String> {
         let (mut router, policy_names) = env.router_settings()?;
+        let policy_path = cli
+            .router_policy_config
+            .or_else(|| router.router_policy_config.clone());
+        router.router_policy_config = policy_path.clone();
+        let file = match &policy_path {
+            Some(path) => {
+                let f = crate::policy_file::load(path)?;
+                f.apply_router(&mut router)
+                    .map_err(|e| format!("invalid router policy file {}: {e}", path.display()))?;
+                Some(f)
+            }
+            None => None,
+        };
+        let worker_selection = match &policy_names.worker_selection_policy {
+            None => None,
+            Some(name) => {
+                let instance = match &file {
+                    Some(f) => f.instance(name),
+                    None if name == "default" => {
+                        Some(crate::policy_file::WorkerSelectionInstance::default())
+                    }
+                    None => None,
+                };
+                let instance = instance.ok_or_else(|| {
+                    format!(
+                        "invalid value '{name}' for environment variable \
+                         DYN_ROUTER_WORKER_SELECTION_POLICY: no such worker_selection instance \
+                         (define it in the router policy file, or use 'default')"
+                    )
+                })?;
+                Some((name.clone(), instance.apply(&router)))
+            }
+        };
+        for (var, set) in [
+            ("DYN_ROUTER_PREFILL_POLICY", &policy_names.prefill_policy),
+            ("DYN_ROUTER_DECODE_POLICY", &policy_names.decode_policy),
+        ] {
+            if set.is_some() {
+                env.warnings.push(format!(
+                    "{var} is ignored: this service serves aggregated workers only"
+                ));
+            }
+        }
         if cli.router_assume_kv_reuse {
             router.router_assume_kv_reuse = true;
         } else if cli.no_router_assume_kv_reuse {
@@ -303,6 +380,29 @@ impl ServerConfig {
                 .router_tracking_key_id
                 .or_else(|| env.raw("DYN_ROUTER_TRACKING_KEY_ID")),
         };
+        // Secrets are read here, not in main, so that a bad file is a usage error (exit 2)
+        // naming the flag, like any other invalid flag.
+        let auth = match &cli.auth_token_file {
+            Some(full) => {
+                crate::auth::AccessTokens::load(full, cli.auth_read_only_token_file.as_deref())
+                    .map_err(|e| e.to_string())?
+            }
+            None => crate::auth::AccessTokens::default(),
+        };
+        let replica_sync_key = match &cli.replica_sync_key_file {
+            Some(path) => {
+                let bytes = std::fs::read(path).map_err(|e| {
+                    format!(
+                        "--replica-sync-key-file {}: cannot read the file: {e}",
+                        path.display()
+                    )
+                })?;
+                let key = replica_sync::ReplicaKey::from_file_contents(&bytes)
+                    .map_err(|e| format!("--replica-sync-key-file {}: {e}", path.display()))?;
+                Some(key)
+            }
+            None => None,
+        };
         let active_request_expiry = env.active_request_expiry();
         let overlap_refresh_after = env.overlap_refresh_after();
         let min_initial_workers = env
@@ -325,10 +425,15 @@ impl ServerConfig {
             tracking,
             workers_file: cli.workers_file,
             auth_token_file: cli.auth_token_file,
+            auth_read_only_token_file: cli.auth_read_only_token_file,
+            auth,
+            replica_sync_key,
             max_active_reservations: cli.max_active_reservations,
             max_prompt_tokens: cli.max_prompt_tokens,
             router,
             policy_names,
+            policy_classes: file.and_then(|f| f.classes),
+            worker_selection,
             active_request_expiry,
             overlap_refresh_after,
             min_initial_workers,
@@ -912,6 +1017,81 @@ mod tests {
         assert_eq!(refresh("soon"), Some(Duration::from_secs(10)));
     }
 
+    fn temp_policy_file(tag: &str, yaml: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "kv-select-policy-{}-{tag}.yaml",
+            std::process::id()
+        ));
+        std::fs::write(&path, yaml).unwrap();
+        path
+    }
+
+    #[test]
+    fn policy_file_from_flag_or_env() {
+        let path = temp_policy_file(
+            "ok",
+            "router: {router_temperature: 0.5}\n\
+             classes: [{name: a, prefill_busy_threshold: 100}]\n\
+             worker_selection: {hot: {kind: default, overlap_score_credit: 3}}\n",
+        );
+        let p = path.to_str().unwrap();
+        let cfg = parse(
+            &[],
+            &[
+                ("DYN_ROUTER_POLICY_CONFIG", p),
+                ("DYN_ROUTER_TEMPERATURE", "0.2"),
+                ("DYN_ROUTER_WORKER_SELECTION_POLICY", "hot"),
+                ("DYN_ROUTER_PREFILL_POLICY", "x"),
+            ],
+        )
+        .unwrap();
+        // The file's router section wins over the environment.
+        assert_eq!(cfg.router.router_temperature, 0.5);
+        assert_eq!(
+            cfg.router.router_policy_config.as_deref(),
+            Some(path.as_path())
+        );
+        let classes = cfg.policy_classes.as_ref().unwrap();
+        assert_eq!(classes.default_class().name, "a");
+        let (name, instance) = cfg.worker_selection.as_ref().unwrap();
+        assert_eq!(name, "hot");
+        assert_eq!(
+            (instance.overlap_score_credit, instance.router_temperature),
+            (3.0, 0.5)
+        );
+        assert!(
+            cfg.warnings
+                .iter()
+                .any(|w| w.contains("DYN_ROUTER_PREFILL_POLICY is ignored"))
+        );
+        let cfg = parse(&["--router-policy-config", p], &[]).unwrap();
+        assert!(cfg.policy_classes.is_some());
+        // Without a file only the built-in `default` instance exists.
+        let cfg = parse(&[], &[("DYN_ROUTER_WORKER_SELECTION_POLICY", "default")]).unwrap();
+        assert_eq!(cfg.worker_selection.as_ref().unwrap().1, cfg.router);
+        let msg = err(&[], &[("DYN_ROUTER_WORKER_SELECTION_POLICY", "hot")]);
+        assert!(msg.contains("DYN_ROUTER_WORKER_SELECTION_POLICY"), "{msg}");
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_bad_policy_file_names_the_file_and_the_field() {
+        let path = temp_policy_file("bad", "classes: [{name: a, quantum: 0}]\n");
+        let p = path.to_str().unwrap();
+        let msg = err(&["--router-policy-config", p], &[]);
+        assert!(msg.contains(p), "{msg}");
+        assert!(msg.contains("classes[0].quantum"), "{msg}");
+        std::fs::write(&path, "router: {prefill_load_scale: -2}\n").unwrap();
+        let msg = err(&[], &[("DYN_ROUTER_POLICY_CONFIG", p)]);
+        assert!(
+            msg.contains("router: prefill_load_scale must be finite and non-negative"),
+            "{msg}"
+        );
+        std::fs::remove_file(&path).unwrap();
+        let msg = err(&["--router-policy-config", p], &[]);
+        assert!(msg.contains("cannot read router policy file"), "{msg}");
+    }
+
     #[test]
     fn help_documents_every_flag_and_variable() {
         let help = Cli::command().render_long_help().to_string();
@@ -933,7 +1113,10 @@ mod tests {
             "--no-router-assume-kv-reuse",
             "--workers-file",
             "--auth-token-file",
+            "--auth-read-only-token-file",
+            "--replica-sync-key-file",
             "--max-active-reservations",
+            "--router-policy-config",
             "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",
             "DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD",
             "DYN_ROUTER_MIN_INITIAL_WORKERS",

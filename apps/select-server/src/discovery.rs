@@ -1,8 +1,9 @@
 //! `--workers-file` as a discovery source (`spec/service-semantics.md` §3.5): the file holds
-//! the complete desired membership (a JSON array of `POST /workers` bodies). It is read at
-//! startup and then polled; every changed snapshot is reconciled against the catalog
-//! (upserts for changes, deletes for workers that disappeared). A snapshot that failed to
-//! apply is retried after 5 s unless a newer one arrives first.
+//! the complete desired membership (a JSON array, or a YAML list for `.yaml`/`.yml` files,
+//! of `POST /workers` bodies). It is read at startup and then polled; every changed
+//! snapshot is reconciled against the catalog (upserts for changes, deletes for workers
+//! that disappeared). A snapshot that failed to apply is retried after 5 s unless a newer
+//! one arrives first.
 
 use std::path::PathBuf;
 use std::sync::Arc;

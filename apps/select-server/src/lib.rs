@@ -6,7 +6,8 @@
 //! parameters, body rejections (415 content type, 413 over 8 MiB, 400 syntax including
 //! trailing bytes, 422 shape naming the field), nesting-depth and array-length bounds,
 //! stateless request validation (`decay_fraction`, `router_config_override` ranges), the
-//! `x-dynamo-meta-policy-class` header, optional bearer-token auth, and response rendering
+//! `x-dynamo-meta-policy-class` header, optional bearer-token auth (full and read-only
+//! tokens, [`auth`]), and response rendering
 //! exactly per contract (omitted-when rules, signed hashes, string rank keys, envelopes).
 //!
 //! # Non-goals
@@ -39,17 +40,20 @@
 //!   other part of that gain is running `/select` inline instead of on the blocking pool
 //!   when no admission queue is configured.
 
+pub mod auth;
 pub mod backend;
 mod body;
 pub mod config;
 mod discovery;
 pub mod dto;
+pub mod policy_file;
 mod recovery;
 mod routes;
 mod server;
 mod service_backend;
 mod tokens;
 
+pub use auth::{Access, AccessTokens, TokenFileError};
 pub use backend::{ApiError, ApiResult, Backend, ErrorBody, QueueLimitKind};
 pub use body::BodyLimits;
 pub use discovery::WorkersFileWatcher;

@@ -38,20 +38,10 @@ fn run(cfg: ServerConfig) -> anyhow::Result<()> {
 }
 
 async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
-    let auth_token = match &cfg.auth_token_file {
-        Some(path) => {
-            let raw = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read auth token file {}", path.display()))?;
-            let token = raw.trim().to_owned();
-            anyhow::ensure!(
-                !token.is_empty(),
-                "auth token file {} is empty",
-                path.display()
-            );
-            Some(token)
-        }
-        None => None,
-    };
+    if cfg.auth.enabled() {
+        let (full, read_only) = cfg.auth.counts();
+        tracing::info!(full, read_only, "bearer-token authentication enabled");
+    }
 
     let backend = Arc::new(build_service(&cfg)?);
     // Before any worker (hence any KV listener) exists: recovered state first, live
@@ -85,7 +75,7 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
     let routes = router(
         Arc::clone(&backend),
         EdgeOptions {
-            auth_token,
+            auth: cfg.auth.clone(),
             ..EdgeOptions::default()
         },
     );

@@ -12,6 +12,7 @@ use http_body_util::Full;
 use hyper::body::Body;
 use serde::Serialize;
 
+use crate::auth::{Access, AccessTokens};
 use crate::backend::{ApiError, Backend};
 use crate::body::{BodyLimits, parse_json, read_json_body};
 use crate::dto::{
@@ -27,19 +28,17 @@ pub const POLICY_CLASS_HEADER: &str = "x-dynamo-meta-policy-class";
 #[derive(Clone, Default)]
 pub struct EdgeOptions {
     pub limits: BodyLimits,
-    /// When set, every route except `/health` requires `Authorization: Bearer <token>`.
-    pub auth_token: Option<String>,
+    /// When enabled, every route except `/health` requires `Authorization: Bearer <token>`
+    /// (401 otherwise), and a read-only token only opens the read-only routes
+    /// (403 otherwise). Its `Debug` shows token counts only.
+    pub auth: AccessTokens,
 }
 
 impl std::fmt::Debug for EdgeOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The token is a secret: say only whether one is configured.
         f.debug_struct("EdgeOptions")
             .field("limits", &self.limits)
-            .field(
-                "auth_token",
-                &self.auth_token.as_ref().map(|_| "<redacted>"),
-            )
+            .field("auth", &self.auth)
             .finish()
     }
 }
@@ -175,9 +174,12 @@ impl<B: Backend> Routes<B> {
     {
         let (parts, body) = req.into_parts();
         let path = parts.uri.path();
-        if path != "/health" {
-            self.authorize(&parts.headers)?;
-        }
+        // Authentication precedes routing, so without a token even 404 reveals nothing.
+        let access = if path == "/health" {
+            None
+        } else {
+            self.authorize(&parts.headers)?
+        };
         let route = match_path(path).ok_or_else(|| ApiError::not_found("route not found"))?;
         // HEAD is served like GET (hyper drops the body).
         let method = if parts.method == Method::HEAD {
@@ -185,6 +187,12 @@ impl<B: Backend> Routes<B> {
         } else {
             parts.method.clone()
         };
+        if access == Some(Access::ReadOnly) && !is_read_only(route, &method) {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "this bearer token is read-only; the route needs a full token",
+            ));
+        }
         let query = parts.uri.query().unwrap_or("");
         let limits = &self.options.limits;
         let be = &*self.backend;
@@ -321,10 +329,12 @@ impl<B: Backend> Routes<B> {
         }
     }
 
-    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
-        let Some(expected) = self.options.auth_token.as_deref() else {
-            return Ok(());
-        };
+    /// `Ok(None)` when authentication is off, else what the presented token may do.
+    fn authorize(&self, headers: &HeaderMap) -> Result<Option<Access>, ApiError> {
+        let tokens = &self.options.auth;
+        if !tokens.enabled() {
+            return Ok(None);
+        }
         let presented = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -334,9 +344,9 @@ impl<B: Backend> Routes<B> {
                     .eq_ignore_ascii_case("bearer")
                     .then_some(token.trim())
             });
-        match presented {
-            Some(token) if constant_time_eq(token.as_bytes(), expected.as_bytes()) => Ok(()),
-            _ => Err(ApiError::new(
+        match presented.and_then(|token| tokens.check(token.as_bytes())) {
+            Some(access) => Ok(Some(access)),
+            None => Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "missing or invalid bearer token",
             )),
@@ -344,13 +354,23 @@ impl<B: Backend> Routes<B> {
     }
 }
 
-/// Compares without an early exit on the first differing byte, so response timing does not
-/// reveal how much of a guessed token was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Whether a read-only token may call `route` with `method` (HEAD already mapped to GET).
+///
+/// An allow-list, so that a route added later needs a full token until someone decides
+/// otherwise: every `GET` (`/workers`, `/ready`, `/loads`, `/dump`, `/metrics`,
+/// `/replica_sync/peers`; a `GET` on a POST-only path is a 405 either way) and the two query
+/// POSTs that the contract says book, queue and cache nothing (`/potential_loads`,
+/// `/overlap_scores`, `http-api.md` §8.2–§8.3).
+///
+/// `/select` is *not* read-only: although it never books, with a `selection_id` it stores a
+/// pending selection that a later `POST /reservations` turns into a booking (replacing an
+/// earlier one with the same id), and without `advisory` it takes part in queue admission,
+/// occupying queue capacity. Deciding by body would mean reading up to 8 MiB before
+/// authorising, so the route as a whole needs a full token.
+fn is_read_only(route: Route<'_>, method: &Method) -> bool {
+    *method == Method::GET
+        || (*method == Method::POST
+            && matches!(route, Route::PotentialLoads | Route::OverlapScores))
 }
 
 fn policy_class(headers: &HeaderMap) -> Option<String> {
@@ -493,9 +513,35 @@ mod tests {
     }
 
     #[test]
-    fn token_comparison() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
+    fn read_only_routes() {
+        let route = |p| match_path(p).unwrap();
+        for (m, p) in [
+            (Method::GET, "/workers"),
+            (Method::GET, "/loads"),
+            (Method::GET, "/dump"),
+            (Method::GET, "/metrics"),
+            (Method::GET, "/ready"),
+            (Method::GET, "/replica_sync/peers"),
+            (Method::POST, "/potential_loads"),
+            (Method::POST, "/overlap_scores"),
+        ] {
+            assert!(is_read_only(route(p), &m), "{m} {p}");
+        }
+        for (m, p) in [
+            (Method::POST, "/select"),
+            (Method::POST, "/select_and_reserve"),
+            (Method::POST, "/workers"),
+            (Method::PATCH, "/workers/1"),
+            (Method::DELETE, "/workers/1"),
+            (Method::POST, "/reservations"),
+            (Method::POST, "/reservations/x/prefill_complete"),
+            (Method::POST, "/reservations/x/output_block"),
+            (Method::DELETE, "/reservations/x"),
+            (Method::POST, "/replica_sync/register_peer"),
+            (Method::POST, "/replica_sync/deregister_peer"),
+            (Method::PUT, "/loads"),
+        ] {
+            assert!(!is_read_only(route(p), &m), "{m} {p}");
+        }
     }
 }

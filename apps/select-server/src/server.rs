@@ -64,16 +64,34 @@ pub enum WorkersFileError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("workers file {} is not a YAML list of worker records: {source}", path.display())]
+    ParseYaml {
+        path: PathBuf,
+        #[source]
+        source: serde_yaml_ng::Error,
+    },
 }
 
-/// Reads `--workers-file`: a JSON array of `POST /workers` bodies.
+/// Reads `--workers-file`: a list of `POST /workers` bodies, in YAML when the file name
+/// ends in `.yaml` or `.yml` (any case), else in JSON.
 pub fn read_workers_file(path: &Path) -> Result<Vec<WorkerRequest>, WorkersFileError> {
     let bytes = std::fs::read(path).map_err(|source| WorkersFileError::Read {
         path: path.to_owned(),
         source,
     })?;
-    serde_json::from_slice(&bytes).map_err(|source| WorkersFileError::Parse {
-        path: path.to_owned(),
-        source,
-    })
+    let yaml = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
+    if yaml {
+        serde_yaml_ng::from_slice(&bytes).map_err(|source| WorkersFileError::ParseYaml {
+            path: path.to_owned(),
+            source,
+        })
+    } else {
+        serde_json::from_slice(&bytes).map_err(|source| WorkersFileError::Parse {
+            path: path.to_owned(),
+            source,
+        })
+    }
 }

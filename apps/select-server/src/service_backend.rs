@@ -3,12 +3,10 @@
 //! threads; a booking may wait behind a concurrent session initialization) run on the
 //! blocking pool so the async workers never stall.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use http::StatusCode;
+use prometheus_client::registry::Registry;
 use selection_policy::{AffinityTarget as PolicyAffinity, SessionContext as PolicySession};
 use service_builder::{
     Lifecycle as SvcLifecycle, PartitionKey, PromptInput, PromptQuery, SelectionCore,
@@ -27,6 +25,8 @@ use crate::dto::{
 #[derive(Debug)]
 pub struct ServiceBackend {
     service: Arc<SelectionService>,
+    /// Every `/metrics` series: the service's counters and its scrape-time collector.
+    registry: Registry,
     /// Whether a non-advisory `/select` may wait in the admission queue (a busy threshold
     /// is configured), so it must not run on an async worker.
     select_may_wait: bool,
@@ -34,10 +34,12 @@ pub struct ServiceBackend {
 
 impl ServiceBackend {
     pub fn new(service: Arc<SelectionService>) -> Self {
-        let router = &service.core().config().router;
-        let select_may_wait = selection_policy::PolicyClass::synthetic(router).queueing_enabled();
+        let select_may_wait = service.core().queueing_enabled();
+        let mut registry = Registry::default();
+        service.register_metrics(&mut registry);
         Self {
             service,
+            registry,
             select_may_wait,
         }
     }
@@ -516,227 +518,15 @@ impl Backend for ServiceBackend {
     }
 
     fn metrics_text(&self) -> String {
-        metrics_text(self.service.core())
-    }
-}
-
-/// Prometheus text exposition of the service's counters, read at scrape time from the
-/// atomics the service already keeps (no registry to keep in sync).
-fn metrics_text(core: &SelectionCore) -> String {
-    let mut out = String::with_capacity(4096);
-    let m = core.metrics();
-    let counters = [
-        (
-            "kv_select_selections_total",
-            "Successful selections.",
-            &m.selections,
-        ),
-        (
-            "kv_select_selection_errors_total",
-            "Failed selections.",
-            &m.selection_errors,
-        ),
-        ("kv_select_bookings_total", "Bookings made.", &m.bookings),
-        (
-            "kv_select_frees_total",
-            "Reservations freed by DELETE.",
-            &m.frees,
-        ),
-        (
-            "kv_select_pending_selection_evictions_total",
-            "Pending selections evicted for space.",
-            &m.pending_evictions,
-        ),
-        (
-            "kv_select_expired_reservations_total",
-            "Reservations reclaimed by expiry.",
-            &m.expired_reservations,
-        ),
-        (
-            "kv_select_reservations_rejected_total",
-            "Bookings rejected by --max-active-reservations.",
-            &m.reservations_rejected_full,
-        ),
-    ];
-    for (name, help, v) in counters {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-            v.load(Ordering::Relaxed)
-        );
-    }
-    let (rows, sum_us) = m.selection_latency.snapshot();
-    let _ = writeln!(
-        out,
-        "# HELP kv_select_selection_duration_seconds Time inside the service per selection (queue wait included).\n# TYPE kv_select_selection_duration_seconds histogram"
-    );
-    let mut count = 0;
-    for (bound, cumulative) in rows {
-        let le = bound.map_or_else(|| "+Inf".to_owned(), |us| format!("{}", us as f64 / 1e6));
-        let _ = writeln!(
-            out,
-            "kv_select_selection_duration_seconds_bucket{{le=\"{le}\"}} {cumulative}"
-        );
-        count = cumulative;
-    }
-    let _ = writeln!(
-        out,
-        "kv_select_selection_duration_seconds_sum {}",
-        sum_us as f64 / 1e6
-    );
-    let _ = writeln!(out, "kv_select_selection_duration_seconds_count {count}");
-    let (pending, pending_bytes) = core.pending_selection_count();
-    let gauges = [
-        (
-            "kv_select_active_reservations",
-            "Live reservation rows.",
-            core.reservation_count() as u64,
-        ),
-        (
-            "kv_select_pending_selections",
-            "Cached pending selections.",
-            pending as u64,
-        ),
-        (
-            "kv_select_pending_selection_bytes",
-            "Estimated bytes of the pending cache.",
-            pending_bytes as u64,
-        ),
-        (
-            "kv_select_session_bindings",
-            "Session-affinity bindings.",
-            core.session_count() as u64,
-        ),
-    ];
-    for (name, help, v) in gauges {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP kv_select_index_events_total KV index operations applied, by type and status.\n# TYPE kv_select_index_events_total counter"
-    );
-    for (key, counters) in core.index_counters() {
-        for (event_type, status, v) in counters.applied_rows() {
-            let _ = writeln!(
-                out,
-                "kv_select_index_events_total{{model_name=\"{}\",routing_group=\"{}\",event_type=\"{event_type}\",status=\"{status}\"}} {v}",
-                escape(&key.model_name),
-                escape(&key.routing_group)
-            );
+        let mut out = String::with_capacity(8192);
+        // Writing into a String cannot fail; a collector error would only cut the text short.
+        if let Err(e) =
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
+        {
+            tracing::warn!(error = %e, "encoding /metrics failed");
         }
+        out
     }
-    if let Some(m) = core.replica_mesh_stats() {
-        let _ = writeln!(
-            out,
-            "# TYPE kv_select_replica_sent_total counter\nkv_select_replica_sent_total {}",
-            m.sent
-        );
-        let _ = writeln!(
-            out,
-            "# TYPE kv_select_replica_delivered_total counter\nkv_select_replica_delivered_total {}",
-            m.delivered
-        );
-        let _ = writeln!(out, "# TYPE kv_select_replica_send_dropped_total counter");
-        for (reason, v) in [
-            ("queue_full", m.dropped_queue_full),
-            ("send_error", m.dropped_send),
-            ("closed", m.dropped_closed),
-        ] {
-            let _ = writeln!(
-                out,
-                "kv_select_replica_send_dropped_total{{reason=\"{reason}\"}} {v}"
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# TYPE kv_select_replica_received_dropped_total counter"
-        );
-        for (reason, v) in [
-            ("frame_count", m.dropped_frame_count),
-            ("unknown_topic", m.dropped_unknown_topic),
-            ("decode", m.dropped_decode),
-        ] {
-            let _ = writeln!(
-                out,
-                "kv_select_replica_received_dropped_total{{reason=\"{reason}\"}} {v}"
-            );
-        }
-        for (reason, v) in core.replica_stats().dropped_rows() {
-            let _ = writeln!(
-                out,
-                "kv_select_replica_received_dropped_total{{reason=\"{reason}\"}} {v}"
-            );
-        }
-    }
-    let stats = core.listener_stats();
-    let mut listener: BTreeMap<&'static str, Vec<String>> = BTreeMap::new();
-    for (key, s) in &stats {
-        let labels = format!(
-            "worker_id=\"{}\",dp_rank=\"{}\"",
-            key.worker_id, key.dp_rank
-        );
-        let rows = [
-            (
-                "kv_select_kv_batches_applied_total",
-                s.batches_applied.load(Ordering::Relaxed),
-            ),
-            (
-                "kv_select_kv_stale_batches_total",
-                s.stale_batches.load(Ordering::Relaxed),
-            ),
-            (
-                "kv_select_kv_gaps_total",
-                s.gaps_detected.load(Ordering::Relaxed),
-            ),
-            (
-                "kv_select_kv_batches_lost_total",
-                s.batches_lost.load(Ordering::Relaxed),
-            ),
-            (
-                "kv_select_kv_replays_timed_out_total",
-                s.replays_timed_out.load(Ordering::Relaxed),
-            ),
-        ];
-        for (name, v) in rows {
-            listener
-                .entry(name)
-                .or_default()
-                .push(format!("{name}{{{labels}}} {v}"));
-        }
-        for reason in service_builder::DropReason::ALL {
-            listener
-                .entry("kv_select_kv_dropped_batches_total")
-                .or_default()
-                .push(format!(
-                    "kv_select_kv_dropped_batches_total{{{labels},reason=\"{}\"}} {}",
-                    reason.as_str(),
-                    s.dropped(reason)
-                ));
-        }
-        for reason in service_builder::FilterReason::ALL {
-            listener
-                .entry("kv_select_kv_filtered_events_total")
-                .or_default()
-                .push(format!(
-                    "kv_select_kv_filtered_events_total{{{labels},reason=\"{}\"}} {}",
-                    reason.as_str(),
-                    s.filtered(reason)
-                ));
-        }
-    }
-    for (name, rows) in listener {
-        let _ = writeln!(out, "# TYPE {name} counter");
-        for r in rows {
-            let _ = writeln!(out, "{r}");
-        }
-    }
-    out
-}
-
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// Builds and starts the service from the parsed configuration (startup validation
@@ -744,6 +534,7 @@ fn escape(s: &str) -> String {
 pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<ServiceBackend> {
     use anyhow::Context as _;
     let tracking = cfg.tracking.hasher()?;
+    let tracking_algorithm = tracking.algorithm();
     let router = selection_policy::RouterConfig {
         router_tracking_hash: tracking.algorithm(),
         router_tracking_key_file: cfg.tracking.key_file.clone(),
@@ -764,9 +555,25 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
             .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         session_affinity_ttl: cfg.session_affinity_ttl,
         max_prompt_tokens: usize::try_from(cfg.max_prompt_tokens).unwrap_or(usize::MAX),
+        policy_classes: cfg.policy_classes.clone(),
+        overlap_refresh_after: cfg.overlap_refresh_after,
         ..service_builder::CoreConfig::default()
     };
     let mut builder = service_builder::SelectionServiceBuilder::new(core);
+    if let Some((_, instance)) = &cfg.worker_selection {
+        // The chosen instance's weights over the process configuration; tracking settings
+        // stay those of the process.
+        let instance = selection_policy::RouterConfig {
+            router_tracking_hash: tracking_algorithm,
+            ..instance.clone()
+        };
+        builder = builder.worker_selection_policy_factory(Arc::new(move |_, _| {
+            selection_policy::Policy::default_policy(
+                &instance,
+                selection_policy::PoolLabel::default(),
+            )
+        }));
+    }
     if cfg.replica_sync_port.is_some() || !cfg.replica_sync_peers.is_empty() {
         let host = if cfg.host.is_unspecified() {
             "*".to_owned()
@@ -778,6 +585,9 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
             port: cfg.replica_sync_port,
             peers: cfg.replica_sync_peers.clone(),
         });
+        if let Some(key) = &cfg.replica_sync_key {
+            builder = builder.replica_sync_key(key.clone());
+        }
     }
     let service = builder
         .build()

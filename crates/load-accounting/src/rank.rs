@@ -1,6 +1,8 @@
 //! Per-rank state: the prompt-prefix trie of tracking hashes and the running load totals.
 
 use kv_types::SequenceHash;
+use std::collections::hash_map::Entry;
+
 use rustc_hash::FxHashMap;
 
 /// Parent index of first-level nodes (the trie root is implicit).
@@ -38,6 +40,11 @@ pub(crate) struct RankState {
 impl RankState {
     /// `round(prompt_weight + output_weight)`, half away from zero.
     pub(crate) fn decode_blocks(&self) -> u64 {
+        // Every selection reads this once per candidate; without decayed terms the sum is
+        // the exact integer and the float rounding (a libm call on baseline x86-64) is skipped.
+        if self.frac_terms == 0 {
+            return self.full_blocks;
+        }
         let total = self.full_blocks as f64 + self.frac_sum;
         // Never negative: the fractional sum only holds values in [0, 1] times counts.
         total.round().max(0.0) as u64
@@ -75,13 +82,14 @@ impl RankState {
     pub(crate) fn insert_path(&mut self, path: &[SequenceHash]) -> u32 {
         let mut cur = ROOT;
         for h in path {
-            let key = (cur, h.0);
-            cur = match self.children.get(&key) {
-                Some(&n) => {
+            // One probe per block: a booking inserts its whole prompt path.
+            cur = match self.children.entry((cur, h.0)) {
+                Entry::Occupied(e) => {
+                    let n = *e.get();
                     self.nodes[n as usize].holders += 1;
                     n
                 }
-                None => {
+                Entry::Vacant(e) => {
                     let node = Node {
                         parent: cur,
                         hash: h.0,
@@ -98,7 +106,7 @@ impl RankState {
                             (self.nodes.len() - 1) as u32
                         }
                     };
-                    self.children.insert(key, n);
+                    e.insert(n);
                     self.full_blocks += 1;
                     n
                 }
@@ -145,6 +153,10 @@ impl RankState {
 
     /// Length of the longest prefix of `path` that is active on this rank.
     pub(crate) fn overlap_depth(&self, path: &[SequenceHash]) -> usize {
+        // Idle ranks are the common case in a large fleet; skip hashing the first edge.
+        if self.children.is_empty() {
+            return 0;
+        }
         let mut cur = ROOT;
         for (i, h) in path.iter().enumerate() {
             match self.children.get(&(cur, h.0)) {

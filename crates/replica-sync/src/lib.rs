@@ -5,6 +5,10 @@
 //! - [`codec`] (sans-IO): the two topics' MessagePack payloads, byte-exact with the spec's
 //!   annotated examples (golden tests), decoded with serde-like tolerance (free key order,
 //!   unknown keys ignored, absent options are `None`).
+//! - [`auth`] (sans-IO): optional pre-shared-key authentication. With a key every message
+//!   gets a third frame (sender id, random per-start epoch, counter, keyed BLAKE3 MAC over
+//!   both spec frames); receivers drop messages without a valid, fresh trailer (counted as
+//!   `dropped_unauthenticated`). Without a key the wire format is the spec's, byte for byte.
 //! - [`ReplicaMesh`] (IO): one PUB socket bound on `tcp://<host>:<port>` fed by a publisher
 //!   thread, one SUB socket connected to every peer read by a receiver thread, dynamic peers,
 //!   and delivery of every accepted event to a [`ReplicaSink`].
@@ -38,6 +42,10 @@
 //!   the spec's single publisher task does); per-topic capacities are enforced by counters.
 //! - Peer changes wait for the receiver thread's next poll slice (≤ 100 ms) instead of adding
 //!   a wake-up socket: they are rare admin calls.
+//! - Authentication is a MAC trailer rather than ZMQ CURVE: the vendored libzmq
+//!   (zeromq-src 0.2.6) only has CURVE when linked against libsodium, which this build is
+//!   not (`zmq::has("curve") == Some(false)`). The MAC gives integrity, origin and replay
+//!   protection among key holders, not confidentiality.
 //! - ZMQ PUB sockets drop silently at the high-water mark, so `dropped_send` only counts what
 //!   the socket reports; per-subscriber HWM losses are invisible, as in the reference.
 //! - Throughput (bench `replica_codec`: `AddRequest` with 32 tracking hashes, hint, LoRA;
@@ -45,11 +53,13 @@
 //!   ≈ 2.3 µs/event (0.44 M events/s; it allocates the four strings and the hash vector the
 //!   sink takes ownership of). Both are far above any booking rate a replica sees.
 
+pub mod auth;
 pub mod codec;
 mod endpoint;
 mod event;
 mod mesh;
 
+pub use auth::{AuthError, KeyError, ReplicaKey};
 pub use codec::{DecodeError, EncodeError, WireProblem, decode, encode};
 pub use endpoint::{EndpointProblem, InvalidEndpoint, validate_endpoint};
 pub use event::{

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::auth::{AuthError, MacSigner, MacVerifier, ReplicaKey};
 use crate::codec::{self, DecodeError};
 use crate::endpoint::{InvalidEndpoint, is_bracketed_tcp, validate_endpoint};
 use crate::event::{ReplicaEvent, RouterId, SESSION_AFFINITY_TOPIC, SLOT_TRACKER_TOPIC, Topic};
@@ -31,6 +32,7 @@ const RECV_BATCH: usize = 1024;
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 const QUEUE_FULL_LOG_PERIOD: Duration = Duration::from_secs(30);
 const RECV_DROP_LOG_PERIOD: Duration = Duration::from_secs(10);
+const UNAUTHENTICATED_LOG_PERIOD: Duration = Duration::from_secs(30);
 
 /// Receives every accepted event, on the mesh's receiver thread.
 ///
@@ -60,6 +62,10 @@ pub struct MeshConfig {
     pub binding_queue_capacity: usize,
     /// Fixed process id (tests, determinism); `None` draws a random non-zero one.
     pub router_id: Option<RouterId>,
+    /// Pre-shared key (`--replica-sync-key-file`): when set, every published message carries
+    /// an authentication trailer frame and every received message must carry a valid, fresh
+    /// one ([`crate::auth`]). `None` keeps the spec's two-frame wire format.
+    pub auth_key: Option<ReplicaKey>,
 }
 
 impl MeshConfig {
@@ -72,6 +78,7 @@ impl MeshConfig {
             sequence_queue_capacity: DEFAULT_SEQUENCE_QUEUE_CAPACITY,
             binding_queue_capacity: DEFAULT_BINDING_QUEUE_CAPACITY,
             router_id: None,
+            auth_key: None,
         }
     }
 }
@@ -172,6 +179,9 @@ pub struct MeshStats {
     pub dropped_unknown_topic: AtomicU64,
     /// Dropped: the payload does not decode.
     pub dropped_decode: AtomicU64,
+    /// Dropped: a key is configured and the message has no valid, fresh authentication
+    /// trailer (missing, wrong key, altered, replayed, or not from the payload's origin).
+    pub dropped_unauthenticated: AtomicU64,
 }
 
 /// A plain copy of [`MeshStats`].
@@ -187,6 +197,7 @@ pub struct MeshStatsSnapshot {
     pub dropped_frame_count: u64,
     pub dropped_unknown_topic: u64,
     pub dropped_decode: u64,
+    pub dropped_unauthenticated: u64,
 }
 
 impl MeshStats {
@@ -203,6 +214,7 @@ impl MeshStats {
             dropped_frame_count: g(&self.dropped_frame_count),
             dropped_unknown_topic: g(&self.dropped_unknown_topic),
             dropped_decode: g(&self.dropped_decode),
+            dropped_unauthenticated: g(&self.dropped_unauthenticated),
         }
     }
 }
@@ -265,6 +277,7 @@ struct Shared {
     binding_capacity: usize,
     queue_full_log: LogLimiter,
     recv_drop_log: LogLimiter,
+    unauthenticated_log: LogLimiter,
 }
 
 impl Shared {
@@ -355,7 +368,13 @@ impl ReplicaMesh {
             binding_capacity: config.binding_queue_capacity,
             queue_full_log: LogLimiter::new(QUEUE_FULL_LOG_PERIOD),
             recv_drop_log: LogLimiter::new(RECV_DROP_LOG_PERIOD),
+            unauthenticated_log: LogLimiter::new(UNAUTHENTICATED_LOG_PERIOD),
         });
+        let signer = config
+            .auth_key
+            .clone()
+            .map(|key| MacSigner::new(key, shared.router_id));
+        let verifier = config.auth_key.clone().map(MacVerifier::new);
         // One channel for both topics keeps FIFO order across them; the per-topic
         // capacities are enforced by the counters in `Shared`.
         let (out_tx, out_rx) = mpsc::sync_channel(
@@ -371,13 +390,13 @@ impl ReplicaMesh {
         threads.push(
             std::thread::Builder::new()
                 .name("replica-sync-pub".to_owned())
-                .spawn(move || run_publisher(&s, &publisher, &out_rx))
+                .spawn(move || run_publisher(&s, &publisher, &out_rx, signer))
                 .map_err(|source| MeshError::Spawn { source })?,
         );
         let s = Arc::clone(&shared);
         let spawned = std::thread::Builder::new()
             .name("replica-sync-sub".to_owned())
-            .spawn(move || run_receiver(&s, &subscriber, &cmd_rx, sink.as_ref()));
+            .spawn(move || run_receiver(&s, &subscriber, &cmd_rx, sink.as_ref(), verifier));
         let receiver = match spawned {
             Ok(handle) => handle,
             Err(source) => {
@@ -393,6 +412,7 @@ impl ReplicaMesh {
             endpoint = %publish_endpoint,
             router_id = %shared.router_id,
             session_affinity = config.session_affinity,
+            authenticated = config.auth_key.is_some(),
             "replica sync started"
         );
         Ok(Self {
@@ -554,13 +574,29 @@ fn connect(sub: &zmq::Socket, endpoint: &str) -> zmq::Result<()> {
     sub.connect(endpoint)
 }
 
-fn run_publisher(shared: &Shared, socket: &zmq::Socket, rx: &Receiver<Outbound>) {
-    let send = |msg: Outbound| {
+fn run_publisher(
+    shared: &Shared,
+    socket: &zmq::Socket,
+    rx: &Receiver<Outbound>,
+    mut signer: Option<MacSigner>,
+) {
+    let mut send = |msg: Outbound| {
         let (queued, _) = shared.queued(msg.topic);
         queued.fetch_sub(1, Ordering::Relaxed);
-        let result = socket
-            .send(msg.topic.as_str().as_bytes(), zmq::SNDMORE | zmq::DONTWAIT)
-            .and_then(|()| socket.send(msg.payload, zmq::DONTWAIT));
+        let topic = msg.topic.as_str().as_bytes();
+        // Signed here, on the one publisher thread, so counters follow the send order.
+        let trailer = signer.as_mut().map(|s| s.sign(topic, &msg.payload));
+        let result =
+            socket
+                .send(topic, zmq::SNDMORE | zmq::DONTWAIT)
+                .and_then(|()| match &trailer {
+                    None => socket.send(msg.payload, zmq::DONTWAIT),
+                    // Once the first part is accepted, ZMQ queues the rest of the message
+                    // atomically, so the trailer cannot be cut off by the high-water mark.
+                    Some(t) => socket
+                        .send(msg.payload, zmq::SNDMORE | zmq::DONTWAIT)
+                        .and_then(|()| socket.send(&t[..], zmq::DONTWAIT)),
+                });
         match result {
             Ok(()) => bump(&shared.stats.sent),
             Err(e) => {
@@ -589,8 +625,9 @@ fn run_receiver(
     socket: &zmq::Socket,
     commands: &Receiver<Command>,
     sink: &dyn ReplicaSink,
+    mut verifier: Option<MacVerifier>,
 ) {
-    let mut frames: Vec<zmq::Message> = Vec::with_capacity(2);
+    let mut frames: Vec<zmq::Message> = Vec::with_capacity(MAX_KEPT_FRAMES);
     while !shared.stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
             handle_command(shared, socket, cmd);
@@ -607,7 +644,7 @@ fn run_receiver(
         }
         for _ in 0..RECV_BATCH {
             match recv_message(socket, &mut frames) {
-                Ok(Some(count)) => on_message(shared, sink, &frames, count),
+                Ok(Some(count)) => on_message(shared, sink, &frames, count, verifier.as_mut()),
                 Ok(None) => break,
                 Err(e) => {
                     tracing::debug!(error = %e, "replica-sync receive failed");
@@ -618,7 +655,10 @@ fn run_receiver(
     }
 }
 
-/// Reads one whole multipart message without blocking, keeping its first two frames in
+/// Frames kept per message: topic, payload and (with a key) the authentication trailer.
+const MAX_KEPT_FRAMES: usize = 3;
+
+/// Reads one whole multipart message without blocking, keeping its first three frames in
 /// `frames`; returns the total frame count, or `None` if nothing is waiting.
 fn recv_message(
     socket: &zmq::Socket,
@@ -635,7 +675,7 @@ fn recv_message(
         count += 1;
         // Parts of one message arrive atomically, so this loop ends with the message.
         let more = msg.get_more();
-        if frames.len() < 2 {
+        if frames.len() < MAX_KEPT_FRAMES {
             frames.push(msg);
         }
         if !more {
@@ -644,18 +684,37 @@ fn recv_message(
     }
 }
 
-fn on_message(shared: &Shared, sink: &dyn ReplicaSink, frames: &[zmq::Message], count: usize) {
+fn on_message(
+    shared: &Shared,
+    sink: &dyn ReplicaSink,
+    frames: &[zmq::Message],
+    count: usize,
+    verifier: Option<&mut MacVerifier>,
+) {
     let stats = &shared.stats;
-    let [topic, payload] = frames else {
-        bump(&stats.dropped_frame_count);
-        log_drop(shared, &format_args!("{count} frames instead of 2"));
-        return;
+    // Authentication comes first: without a valid trailer nothing else of the message is
+    // looked at.
+    let (topic, payload, authenticated) = match (verifier, frames) {
+        (None, [topic, payload]) if count == 2 => (topic, payload, None),
+        (Some(verifier), [topic, payload, trailer]) if count == 3 => {
+            match verifier.verify(topic, payload, trailer) {
+                Ok(auth) => (topic, payload, Some(auth.sender)),
+                Err(e) => return drop_unauthenticated(shared, &e),
+            }
+        }
+        (Some(_), [_, _]) if count == 2 => {
+            return drop_unauthenticated(shared, &AuthError::Missing);
+        }
+        (verifier, _) => {
+            let expected = if verifier.is_some() { 3 } else { 2 };
+            bump(&stats.dropped_frame_count);
+            log_drop(
+                shared,
+                &format_args!("{count} frames instead of {expected}"),
+            );
+            return;
+        }
     };
-    if count != 2 {
-        bump(&stats.dropped_frame_count);
-        log_drop(shared, &format_args!("{count} frames instead of 2"));
-        return;
-    }
     let event = match codec::decode(topic, payload) {
         Ok(event) => event,
         Err(DecodeError::UnknownTopic) => {
@@ -669,6 +728,15 @@ fn on_message(shared: &Shared, sink: &dyn ReplicaSink, frames: &[zmq::Message], 
             return;
         }
     };
+    if let Some(sender) = authenticated
+        && sender != event.origin()
+    {
+        let e = AuthError::SenderMismatch {
+            sender,
+            origin: event.origin(),
+        };
+        return drop_unauthenticated(shared, &e);
+    }
     if event.origin() == shared.router_id {
         bump(&stats.ignored_own);
         return;
@@ -679,6 +747,15 @@ fn on_message(shared: &Shared, sink: &dyn ReplicaSink, frames: &[zmq::Message], 
     }
     bump(&stats.delivered);
     sink.on_event(event);
+}
+
+/// Unauthenticated messages are a security signal, so they are logged at `warn` (at most
+/// once per 30 s, with the number dropped since the last line).
+fn drop_unauthenticated(shared: &Shared, why: &AuthError) {
+    bump(&shared.stats.dropped_unauthenticated);
+    if let Some(dropped) = shared.unauthenticated_log.record() {
+        tracing::warn!(reason = %why, dropped, "unauthenticated replica-sync message dropped");
+    }
 }
 
 fn log_drop(shared: &Shared, why: &dyn std::fmt::Display) {

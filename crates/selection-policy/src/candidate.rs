@@ -31,9 +31,19 @@ impl CacheInputs {
 /// `round(effective_overlap_blocks · B)`, half away from zero, never negative.
 #[inline]
 pub fn cached_tokens(effective_overlap_blocks: f64, block_size: u32) -> u64 {
-    (effective_overlap_blocks * f64::from(block_size))
-        .round()
-        .max(0.0) as u64
+    let v = effective_overlap_blocks * f64::from(block_size);
+    if v.is_nan() || v <= 0.0 {
+        return 0;
+    }
+    // `f64::round` is a libm call on baseline x86-64 and this runs once per candidate.
+    // Below 2^52 the fraction `v - trunc(v)` is exact, so comparing it with 0.5 rounds half
+    // away from zero exactly; above, `v` is already integral (or saturates like `as` does).
+    let whole = v as u64;
+    if v < 4_503_599_627_370_496.0 && v - whole as f64 >= 0.5 {
+        whole + 1
+    } else {
+        whole
+    }
 }
 
 /// Load projection of the request onto one candidate (`scheduling.md` §2).
@@ -210,6 +220,42 @@ mod tests {
         let eff = c.effective_overlap_blocks(0.75, 0.25);
         assert_eq!(eff, 6.5);
         assert_eq!(cached_tokens(eff, 16), 104);
+    }
+
+    #[test]
+    fn cached_tokens_rounds_like_f64_round() {
+        let reference = |v: f64| v.round().max(0.0) as u64;
+        let edge = [
+            0.0,
+            -0.0,
+            -3.5,
+            0.49999999999999994,
+            0.5,
+            1.5,
+            2.5,
+            6.499999999999999,
+            4_503_599_627_370_495.5,
+            4_503_599_627_370_497.0,
+            1e300,
+            f64::INFINITY,
+            f64::NAN,
+        ];
+        for v in edge {
+            assert_eq!(cached_tokens(v, 1), reference(v), "{v}");
+        }
+        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let blocks = (x % 1_000_000) as f64 / 64.0 + (x >> 40) as f64 * 1e-3;
+            let bs = 1 + (x % 64) as u32;
+            assert_eq!(
+                cached_tokens(blocks, bs),
+                reference(blocks * f64::from(bs)),
+                "{blocks} x {bs}"
+            );
+        }
     }
 
     #[test]

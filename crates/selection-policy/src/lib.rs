@@ -6,7 +6,8 @@
 //!   [`Policy`] composes them; scorers write into a caller-owned `&mut [f64]`.
 //! - The default cost function ([`DefaultScorer`]) and picker ([`TemperaturePicker`]),
 //!   bit-for-bit the formulas of §4 (the worked example of §4.7 is an integration test).
-//! - The admission queue of §5 ([`AdmissionQueue`]).
+//! - The admission queue of §5 ([`AdmissionQueue`]) and its policy classes
+//!   ([`PolicyClasses`]: validation and request-to-class mapping).
 //! - [`RouterConfig`] (§8.1, spec defaults as `Default`) and [`RouterConfigOverride`] (§8.2).
 //!
 //! # Non-goals
@@ -38,6 +39,7 @@
 //!   target of 30 ns. A selection over 2 rows costs ≈ 80 ns (t = 0) / 125 ns (t = 0.7).
 
 mod candidate;
+mod classes;
 mod config;
 mod default;
 mod policy;
@@ -48,6 +50,7 @@ pub use candidate::{
     AffinityTarget, CacheInputs, Candidate, Capacity, LoadInputs, PoolLabel, SelectionContext,
     SessionContext, cached_tokens, preferred_taint_multiplier,
 };
+pub use classes::{ClassDefinition, ClassRule, ClassSource, Classified, PolicyClasses};
 pub use config::{
     ApproximateCachePolicy, ConditionalDisaggPolicy, ConfigError, ParseEnumError, PrefillLoadModel,
     QueuePolicy, RouterConfig, RouterConfigOverride, SharedCacheType,

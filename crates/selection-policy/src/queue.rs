@@ -73,6 +73,23 @@ impl PolicyClass {
         })
     }
 
+    /// `quantum > 0` and a finite, non-negative `prefill_busy_threshold_frac`.
+    pub fn validate(&self) -> Result<(), QueueConfigError> {
+        if self.quantum == 0 {
+            return Err(QueueConfigError::ZeroQuantum {
+                class: self.name.clone(),
+            });
+        }
+        if let Some(f) = self.prefill_busy_threshold_frac
+            && !(f.is_finite() && f >= 0.0)
+        {
+            return Err(QueueConfigError::BadThreshold {
+                class: self.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
     fn has_zero_limit(&self) -> bool {
         [
             self.request_queue_limit_per_worker,
@@ -133,6 +150,40 @@ pub enum QueueConfigError {
         "policy class \"{class}\": prefill_busy_threshold_frac must be finite and non-negative"
     )]
     BadThreshold { class: String },
+    #[error("policy class name must not be empty")]
+    EmptyName,
+    #[error("policy class \"{class}\" is defined twice")]
+    DuplicateClass { class: String },
+    #[error(
+        "policy class \"{class}\": queue_policy lcfs is not allowed in a policy file (use fcfs or wspt)"
+    )]
+    LcfsInPolicyFile { class: String },
+    #[error(
+        "policy class \"{class}\": min_uncached_isl ({min}) must be less than max_uncached_isl ({max})"
+    )]
+    EmptyIslBucket { class: String, min: u64, max: u64 },
+    #[error(
+        "policy class \"{class}\": family \"{family}\" is already a class name or another class's family"
+    )]
+    DuplicateFamily { class: String, family: String },
+    #[error("default_class \"{class}\" is not a defined policy class")]
+    UnknownDefaultClass { class: String },
+}
+
+impl QueueConfigError {
+    /// The configuration field at fault, as spelled in a policy file.
+    pub fn field(&self) -> &'static str {
+        match self {
+            Self::NoClasses => "classes",
+            Self::ZeroQuantum { .. } => "quantum",
+            Self::BadThreshold { .. } => "prefill_busy_threshold_frac",
+            Self::EmptyName | Self::DuplicateClass { .. } => "name",
+            Self::LcfsInPolicyFile { .. } => "queue_policy",
+            Self::EmptyIslBucket { .. } => "min_uncached_isl",
+            Self::DuplicateFamily { .. } => "families",
+            Self::UnknownDefaultClass { .. } => "default_class",
+        }
+    }
 }
 
 /// One request offered to the queue.
@@ -219,18 +270,7 @@ impl<T> AdmissionQueue<T> {
             return Err(QueueConfigError::NoClasses);
         }
         for c in &classes {
-            if c.quantum == 0 {
-                return Err(QueueConfigError::ZeroQuantum {
-                    class: c.name.clone(),
-                });
-            }
-            if let Some(f) = c.prefill_busy_threshold_frac
-                && !(f.is_finite() && f >= 0.0)
-            {
-                return Err(QueueConfigError::BadThreshold {
-                    class: c.name.clone(),
-                });
-            }
+            c.validate()?;
         }
         Ok(Self {
             classes: classes

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use kv_types::WorkerKey;
 use parking_lot::{Condvar, Mutex};
-use selection_policy::{AdmissionQueue, Arrival, Offer, PolicyClass, QueueRejected, Waiting};
+use selection_policy::{
+    AdmissionQueue, Arrival, Offer, PolicyClass, PolicyClasses, QueueRejected, Waiting,
+};
 
 /// Longest a request waits in the queue before it gives up (429, request deadline
 /// exceeded); keeps a caller that went away from holding a thread forever.
@@ -77,22 +79,29 @@ impl Ticket {
     }
 }
 
-/// The queue of one partition, with its (single, synthetic) policy class.
+/// The queue of one partition, with its policy classes.
 #[derive(Debug)]
 pub(crate) struct PartitionQueue {
     queue: Mutex<AdmissionQueue<Arc<Ticket>>>,
+    classes: PolicyClasses,
 }
 
 impl PartitionQueue {
-    pub(crate) fn new(class: PolicyClass) -> Option<Self> {
-        if !class.queueing_enabled() {
+    /// `None` when no class has a busy threshold (nothing ever waits).
+    pub(crate) fn new(classes: &PolicyClasses) -> Option<Self> {
+        if !classes.queueing_enabled() {
             return None;
         }
-        AdmissionQueue::new(vec![class], Instant::now())
+        AdmissionQueue::new(classes.classes().to_vec(), Instant::now())
             .ok()
             .map(|q| Self {
                 queue: Mutex::new(q),
+                classes: classes.clone(),
             })
+    }
+
+    pub(crate) fn classes(&self) -> &PolicyClasses {
+        &self.classes
     }
 
     /// Offers a request; `Ok(None)` = admitted now, `Ok(Some(ticket))` = wait on it.
@@ -113,12 +122,17 @@ impl PartitionQueue {
         })
     }
 
-    /// Admits every waiting request the gate lets through now.
+    /// Admits the best waiting request the gate lets through now, if any.
+    ///
+    /// One at a time: the admitted request books (changing the load the gate reads) and
+    /// then re-checks the queue itself, so a single free cannot release every waiter
+    /// against a stale load picture. Abandoned tickets are skipped.
     pub(crate) fn drain(&self, mut gate: impl FnMut(&PolicyClass, &Waiting<Arc<Ticket>>) -> bool) {
         let mut q = self.queue.lock();
         while let Some(ticket) = q.next_ready(&mut gate) {
-            // An abandoned ticket frees its slot without being admitted.
-            ticket.resolve(TicketState::Admitted);
+            if ticket.resolve(TicketState::Admitted) {
+                return;
+            }
         }
     }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kv_index::{IndexConfig, KvIndex, TierHits, TieredMatches};
+use kv_index::{IndexConfig, KvIndex, TierHits};
 use kv_types::{
     BlockHash, HashOptions, KvOperation, SequenceHash, TrackingHasher, TrackingScope, WorkerId,
     WorkerKey,
@@ -19,7 +19,7 @@ use kv_types::{
 use load_accounting::{BookRequest, Ledger, LedgerConfig, LedgerError, ReservationId, SlotPolicy};
 use parking_lot::{Mutex, RwLock};
 use selection_policy::{
-    CacheInputs, Candidate, Capacity, LoadInputs, PickRng, Policy, PolicyError, PoolLabel,
+    CacheInputs, Candidate, LoadInputs, PickRng, Policy, PolicyClasses, PolicyError, PoolLabel,
     RouterConfig, RouterConfigOverride, Scratch, Selection, SelectionContext, cached_tokens,
     preferred_taint_multiplier,
 };
@@ -38,6 +38,7 @@ use crate::request::{
     PromptQuery, ReadyResponse, ReservationRequest, ReservationResponse, SelectRequest,
     SelectResponse,
 };
+use crate::roster::{Roster, RowHits, WorkerEntry};
 use crate::session::{BindingUpdate, Hold, MAX_SESSION_ID_BYTES, SessionTable, SessionTarget};
 
 /// Builds the worker-selection policy of a partition; called once per partition.
@@ -63,6 +64,12 @@ pub struct CoreConfig {
     pub replica_id: u64,
     /// Longest prompt accepted, in tokens; longer ones fail with 413 before hashing.
     pub max_prompt_tokens: usize,
+    /// Policy classes of the admission queue (from a policy file); `None` = the synthetic
+    /// class of `router.router_queue_threshold` / `router.router_queue_policy`.
+    pub policy_classes: Option<PolicyClasses>,
+    /// A request that waited in the queue at least this long has its overlap looked up
+    /// again before scheduling (`DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS`); `None` = never.
+    pub overlap_refresh_after: Option<Duration>,
 }
 
 impl Default for CoreConfig {
@@ -78,6 +85,8 @@ impl Default for CoreConfig {
             session_affinity_ttl: None,
             replica_id: 0,
             max_prompt_tokens: 1_000_000,
+            policy_classes: None,
+            overlap_refresh_after: Some(selection_policy::DEFAULT_OVERLAP_REFRESH_AFTER),
         }
     }
 }
@@ -87,17 +96,19 @@ impl Default for CoreConfig {
 struct SelectScratch {
     blocks: Vec<BlockHash>,
     tracking: Vec<SequenceHash>,
-    tiered: TieredMatches,
-    /// The tiered hits sorted by worker key.
-    hits: Vec<TierHits>,
+    /// The tiered lookup and, per roster row, its hits.
+    hits: RowHits,
     candidates: Vec<Candidate>,
     policy: Scratch,
 }
 
-/// A worker as the partition's scheduler sees it.
-#[derive(Clone, Debug)]
-struct WorkerEntry {
-    record: WorkerRequest,
+/// What admission did for `schedule`.
+#[derive(Debug, Default)]
+struct Admission {
+    /// Set when admission already hashed and looked up the prompt into the scratch.
+    prepared_isl: Option<u64>,
+    /// The request waited in the queue (it re-checks the queue when done).
+    queued: bool,
 }
 
 pub(crate) struct Partition {
@@ -108,7 +119,7 @@ pub(crate) struct Partition {
     ledger: Mutex<Ledger>,
     policy: Policy,
     /// Schedulable workers by id, replaced wholesale on every catalog commit.
-    workers: RwLock<Arc<BTreeMap<u64, WorkerEntry>>>,
+    workers: RwLock<Arc<Roster>>,
     scratch: Mutex<Vec<SelectScratch>>,
     rng: Mutex<PickRng>,
     sessions: Option<SessionTable>,
@@ -286,8 +297,17 @@ impl SelectionCore {
         }
     }
 
-    fn queueing_enabled(&self) -> bool {
-        selection_policy::PolicyClass::synthetic(&self.config.router).queueing_enabled()
+    /// Whether any policy class queues (then non-advisory selections may wait).
+    pub fn queueing_enabled(&self) -> bool {
+        self.policy_classes().queueing_enabled()
+    }
+
+    /// The configured policy classes, or the synthetic one.
+    fn policy_classes(&self) -> PolicyClasses {
+        self.config
+            .policy_classes
+            .clone()
+            .unwrap_or_else(|| PolicyClasses::synthetic(&self.config.router))
     }
 
     // ---------------------------------------------------------------- replica sync
@@ -614,11 +634,11 @@ impl SelectionCore {
                 expiry: self.config.active_request_expiry,
             })),
             policy,
-            workers: RwLock::new(Arc::new(BTreeMap::new())),
+            workers: RwLock::new(Arc::new(Roster::default())),
             scratch: Mutex::new(Vec::new()),
             rng: Mutex::new(PickRng::seeded(seed)),
             next_expiry_check: Mutex::new(Instant::now()),
-            queue: PartitionQueue::new(selection_policy::PolicyClass::synthetic(router)),
+            queue: PartitionQueue::new(&self.policy_classes()),
             sessions: self
                 .config
                 .session_affinity_ttl
@@ -665,7 +685,7 @@ impl SelectionCore {
             }
         }
         drop(ledger);
-        *p.workers.write() = Arc::new(map);
+        *p.workers.write() = Arc::new(Roster::new(map));
         self.recheck_queue(&p);
     }
 
@@ -724,12 +744,18 @@ impl SelectionCore {
         let started = Instant::now();
         let result = self.run_select_inner(req, book);
         self.metrics.selection_latency.observe(started.elapsed());
-        let counter = if result.is_ok() {
-            &self.metrics.selections
-        } else {
-            &self.metrics.selection_errors
+        match &result {
+            Ok(_) => self.metrics.selections.inc(),
+            Err(e) => {
+                let op = if book {
+                    crate::metrics::RejectedOperation::SelectAndReserve
+                } else {
+                    crate::metrics::RejectedOperation::Select
+                };
+                self.metrics.reject(op, e);
+                self.metrics.selection_errors.inc()
+            }
         };
-        counter.fetch_add(1, Ordering::Relaxed);
         result
     }
 
@@ -767,11 +793,15 @@ impl SelectionCore {
                 req.affinity_target = Some(affinity(target));
             }
         }
-        if !req.advisory {
-            self.admit(&partition, &req)?;
-        }
         let mut scratch = partition.scratch.lock().pop().unwrap_or_default();
-        let result = self.schedule(&partition, &req, &mut scratch);
+        let admission = if req.advisory {
+            Ok(Admission::default())
+        } else {
+            self.admit(&partition, &req, &mut scratch)
+        };
+        let queued = admission.as_ref().is_ok_and(|a| a.queued);
+        let result =
+            admission.and_then(|a| self.schedule(&partition, &req, &mut scratch, a.prepared_isl));
         let outcome = result.and_then(|(selection, isl, track, response_base)| {
             let tracking = scratch.tracking.clone();
             let mut kv_hint = None;
@@ -821,9 +851,7 @@ impl SelectionCore {
                     id.clone(),
                 );
                 let evicted = self.pending.lock().insert(key, value, Instant::now());
-                self.metrics
-                    .pending_evictions
-                    .fetch_add(evicted as u64, Ordering::Relaxed);
+                self.metrics.pending_evictions.inc_by(evicted as u64);
             }
             Ok(SelectResponse {
                 selection_id: selection_id.clone(),
@@ -836,6 +864,11 @@ impl SelectionCore {
             })
         });
         partition.scratch.lock().push(scratch);
+        if queued {
+            // This request was let out of the queue alone; now that it has booked (or
+            // failed), the next waiter's gate sees the new load.
+            self.recheck_queue(&partition);
+        }
         outcome
     }
 
@@ -861,14 +894,12 @@ impl SelectionCore {
         if !self.config.router.use_kv_events || records_decisions(&index) {
             return None;
         }
-        let beat = scratch
-            .hits
-            .binary_search_by_key(&chosen, |h| h.worker)
-            .map_or(0, |i| scratch.hits[i].cpu());
-        // Hits are sorted by key, so a strictly longer prefix is needed to replace the best:
+        let beat = scratch.hits.of(&workers, chosen).cpu();
+        // Rows are in key order, so a strictly longer prefix is needed to replace the best:
         // ties go to the smallest (worker, rank).
         let mut best: Option<(u32, &str)> = None;
-        for h in &scratch.hits {
+        for row in workers.rows() {
+            let h = scratch.hits.of(&workers, row.key);
             let prefix = h.cpu();
             if h.worker == chosen || prefix <= beat || best.is_some_and(|(p, _)| prefix <= p) {
                 continue;
@@ -906,17 +937,41 @@ impl SelectionCore {
     }
 
     /// Queue admission (§5): returns once the request may be scheduled. Waits on the
-    /// blocking pool while every eligible rank is busy.
-    fn admit(&self, partition: &Partition, req: &SelectRequest) -> Result<(), SelectionError> {
+    /// blocking pool while every eligible rank is busy for the request's class.
+    ///
+    /// With a queue, the prompt is hashed and looked up here (WSPT, cached-token limits and
+    /// ISL buckets need the best cached tokens) and `schedule` reuses `scratch`; after a
+    /// wait of at least `overlap_refresh_after` the lookup is redone (§5.5). Without a
+    /// queue this returns at once and does nothing.
+    fn admit(
+        &self,
+        partition: &Partition,
+        req: &SelectRequest,
+        scratch: &mut SelectScratch,
+    ) -> Result<Admission, SelectionError> {
         let Some(queue) = &partition.queue else {
-            return Ok(());
+            return Ok(Admission::default());
         };
+        let isl = self.lookup_overlap(partition, req, scratch)?;
+        let workers = Arc::clone(&partition.workers.read());
+        let best_cached_tokens = self
+            .best_cached_tokens(partition, &workers, req, scratch)
+            .min(isl);
+        let classes = queue.classes();
+        let classified = classes.classify(req.policy_class.as_deref(), isl - best_cached_tokens);
+        if classified.unknown_explicit {
+            tracing::debug!(
+                policy_class = req.policy_class.as_deref().unwrap_or_default(),
+                fallback = %classes.classes()[classified.index].name,
+                "unknown policy class; classified by uncached ISL or the default class"
+            );
+        }
         let ticket = Ticket::new(req.allowed_worker_ids.clone());
         let arrival = selection_policy::Arrival {
             payload: Arc::clone(&ticket),
-            class: 0,
-            isl: prompt_isl(&req.prompt),
-            best_cached_tokens: 0,
+            class: classified.index,
+            isl,
+            best_cached_tokens,
             priority_jump: req.priority_jump,
             strict_priority: req.strict_priority,
             pinned: req.pinned_worker,
@@ -930,7 +985,12 @@ impl SelectionCore {
             })
         };
         let queued = match offered {
-            Ok(None) => return Ok(()),
+            Ok(None) => {
+                return Ok(Admission {
+                    prepared_isl: Some(isl),
+                    queued: false,
+                });
+            }
             Ok(Some(t)) => t,
             Err(rejected) => {
                 return Err(
@@ -945,8 +1005,24 @@ impl SelectionCore {
                 );
             }
         };
+        let enqueued_at = Instant::now();
         match queued.wait(MAX_QUEUE_WAIT) {
-            WaitOutcome::Admitted => self.check_running(),
+            WaitOutcome::Admitted => {
+                self.check_running()?;
+                if self
+                    .config
+                    .overlap_refresh_after
+                    .is_some_and(|after| enqueued_at.elapsed() >= after)
+                    && !scratch.blocks.is_empty()
+                {
+                    // The index moved on while it waited; load is projected fresh anyway.
+                    self.find_overlap(partition, scratch);
+                }
+                Ok(Admission {
+                    prepared_isl: Some(isl),
+                    queued: true,
+                })
+            }
             WaitOutcome::ShutDown => Err(SelectionError::scheduler(
                 503,
                 "endpoint subscriber shutdown",
@@ -955,6 +1031,52 @@ impl SelectionCore {
                 Err(SelectionError::scheduler(429, "request deadline exceeded"))
             }
         }
+    }
+
+    /// The best weighted `cached_tokens` (§3) among the ranks the request may use (pinned:
+    /// the pinned rank's), from the sorted hits in `scratch`.
+    fn best_cached_tokens(
+        &self,
+        partition: &Partition,
+        workers: &BTreeMap<u64, WorkerEntry>,
+        req: &SelectRequest,
+        scratch: &SelectScratch,
+    ) -> u64 {
+        let router = &self.config.router;
+        let (w_host, w_disk) = (router.host_cache_hit_weight, router.disk_cache_hit_weight);
+        scratch
+            .hits
+            .tiered()
+            .hits()
+            .iter()
+            .filter(|h| {
+                req.pinned_worker.is_none_or(|p| p == h.worker)
+                    && req
+                        .allowed_worker_ids
+                        .as_ref()
+                        .is_none_or(|a| a.contains(&h.worker.worker_id.0))
+                    && workers.get(&h.worker.worker_id.0).is_some_and(|w| {
+                        w.record.has_rank(h.worker.dp_rank.0)
+                            && req
+                                .required_taints
+                                .iter()
+                                .all(|t| w.record.taints.contains(t))
+                    })
+            })
+            .map(|h| {
+                let cache = CacheInputs {
+                    device_blocks: h.device,
+                    host_blocks: h.host_pinned,
+                    disk_blocks: h.disk_extension(),
+                    shared_beyond_blocks: 0,
+                };
+                cached_tokens(
+                    cache.effective_overlap_blocks(w_host, w_disk),
+                    partition.block_size,
+                )
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Lets queued requests through after a capacity change (free, prefill completion,
@@ -992,17 +1114,16 @@ impl SelectionCore {
         SessionGuard::none()
     }
 
-    /// Hashes, looks up, builds candidates and runs the policy.
-    fn schedule(
+    /// Hashes the prompt into `scratch` and looks up its tiered overlap (moved out of
+    /// `schedule` so admission can do it once and `schedule` reuse it); returns the ISL.
+    fn lookup_overlap(
         &self,
-        partition: &Arc<Partition>,
+        partition: &Partition,
         req: &SelectRequest,
         scratch: &mut SelectScratch,
-    ) -> Result<(Selection, u64, bool, SelectResponse), SelectionError> {
-        let router = &self.config.router;
+    ) -> Result<u64, SelectionError> {
         let over = &req.router_config_override;
         let isl = self.normalize_prompt(partition, &req.prompt, over, true, scratch)?;
-        let track = router.track_prefill_tokens(over);
         if let Some(pin) = req.pinned_worker
             && let Some(allowed) = &req.allowed_worker_ids
             && !allowed.contains(&pin.worker_id.0)
@@ -1012,74 +1133,91 @@ impl SelectionCore {
                 pin.worker_id
             )));
         }
-        let workers = Arc::clone(&partition.workers.read());
+        self.find_overlap(partition, scratch);
+        Ok(isl)
+    }
+
+    /// The tiered lookup of `scratch.blocks` (placed on roster rows by `schedule`).
+    fn find_overlap(&self, partition: &Partition, scratch: &mut SelectScratch) {
         partition
             .index
             .read()
-            .find_tiered(&scratch.blocks, &mut scratch.tiered);
-        // Sorted like the candidates (ascending worker, rank): one merge walk, no hashing.
-        scratch.hits.clear();
-        scratch.hits.extend_from_slice(scratch.tiered.hits());
-        scratch.hits.sort_unstable_by_key(|h| h.worker);
-        let mut next_hit = 0;
+            .find_tiered(&scratch.blocks, scratch.hits.tiered_mut());
+    }
+
+    /// Hashes, looks up, builds candidates and runs the policy.
+    fn schedule(
+        &self,
+        partition: &Arc<Partition>,
+        req: &SelectRequest,
+        scratch: &mut SelectScratch,
+        prepared_isl: Option<u64>,
+    ) -> Result<(Selection, u64, bool, SelectResponse), SelectionError> {
+        let router = &self.config.router;
+        let over = &req.router_config_override;
+        // Queued partitions hashed and looked up during admission (`prepared_isl`).
+        let isl = match prepared_isl {
+            Some(isl) => isl,
+            None => self.lookup_overlap(partition, req, scratch)?,
+        };
+        let track = router.track_prefill_tokens(over);
+        let workers = Arc::clone(&partition.workers.read());
+        // Hits land on their candidate rows through the roster's key map: no sort, no merge.
+        scratch.hits.place(&workers);
         let (w_host, w_disk) = (router.host_cache_hit_weight, router.disk_cache_hit_weight);
+        let taint_rules = !req.required_taints.is_empty() || !req.preferred_taints.is_empty();
         scratch.candidates.clear();
         {
             let ledger = partition.ledger.lock();
-            for w in workers.values() {
-                let r = &w.record;
+            for (row, rr) in workers.rows().iter().enumerate() {
+                let key = rr.key;
                 if req
                     .allowed_worker_ids
                     .as_ref()
-                    .is_some_and(|a| !a.contains(&r.worker_id))
+                    .is_some_and(|a| !a.contains(&key.worker_id.0))
                 {
                     continue;
                 }
-                if !req.required_taints.iter().all(|t| r.taints.contains(t)) {
-                    continue;
-                }
-                let taint_weight: f32 = req
-                    .preferred_taints
-                    .iter()
-                    .filter(|(t, _)| r.taints.contains(t))
-                    .map(|(_, w)| *w)
-                    .sum();
-                for rank in r.dp_ranks() {
-                    let key = WorkerKey::new(r.worker_id, rank);
-                    while scratch.hits.get(next_hit).is_some_and(|h| h.worker < key) {
-                        next_hit += 1;
+                let mut taint_weight = 0.0_f32;
+                if taint_rules {
+                    let taints: &[String] = match workers.get(&key.worker_id.0) {
+                        Some(w) if rr.tainted => &w.record.taints,
+                        _ => &[],
+                    };
+                    if !req.required_taints.iter().all(|t| taints.contains(t)) {
+                        continue;
                     }
-                    let hits = match scratch.hits.get(next_hit) {
-                        Some(h) if h.worker == key => *h,
-                        _ => TierHits::default(),
-                    };
-                    let cache = CacheInputs {
-                        device_blocks: hits.device,
-                        host_blocks: hits.host_pinned,
-                        disk_blocks: hits.disk_extension(),
-                        shared_beyond_blocks: 0,
-                    };
-                    let cached = cached_tokens(
-                        cache.effective_overlap_blocks(w_host, w_disk),
-                        partition.block_size,
-                    );
-                    let added = if track { isl - isl.min(cached) } else { 0 };
-                    let load = ledger.potential_load(key, &scratch.tracking, added);
-                    scratch.candidates.push(Candidate {
-                        worker: key,
-                        cache,
-                        load: Some(LoadInputs {
-                            active_prefill_tokens: load.active_prefill_tokens,
-                            potential_decode_blocks: load.potential_decode_blocks,
-                            active_requests: load.active_requests,
-                        }),
-                        capacity: Capacity {
-                            max_num_batched_tokens: r.max_num_batched_tokens,
-                            total_kv_blocks: r.total_kv_blocks,
-                        },
-                        preferred_taint_multiplier: preferred_taint_multiplier(taint_weight),
-                    });
+                    taint_weight = req
+                        .preferred_taints
+                        .iter()
+                        .filter(|(t, _)| taints.contains(t))
+                        .map(|(_, w)| *w)
+                        .sum();
                 }
+                let hits = scratch.hits.at(row);
+                let cache = CacheInputs {
+                    device_blocks: hits.device,
+                    host_blocks: hits.host_pinned,
+                    disk_blocks: hits.disk_extension(),
+                    shared_beyond_blocks: 0,
+                };
+                let cached = cached_tokens(
+                    cache.effective_overlap_blocks(w_host, w_disk),
+                    partition.block_size,
+                );
+                let added = if track { isl - isl.min(cached) } else { 0 };
+                let load = ledger.potential_load(key, &scratch.tracking, added);
+                scratch.candidates.push(Candidate {
+                    worker: key,
+                    cache,
+                    load: Some(LoadInputs {
+                        active_prefill_tokens: load.active_prefill_tokens,
+                        potential_decode_blocks: load.potential_decode_blocks,
+                        active_requests: load.active_requests,
+                    }),
+                    capacity: rr.capacity,
+                    preferred_taint_multiplier: preferred_taint_multiplier(taint_weight),
+                });
             }
         }
         let session = req.session_context.as_ref();
@@ -1111,7 +1249,9 @@ impl SelectionCore {
                 selection.worker.worker_id
             ))
         })?;
-        let overlap = overlap_summary(&chosen.record, &scratch.hits, partition.block_size);
+        let overlap = overlap_summary(&chosen.record, partition.block_size, |key| {
+            scratch.hits.of(&workers, key)
+        });
         let response = SelectResponse {
             selection_id: None,
             sequence_hashes: None,
@@ -1258,9 +1398,7 @@ impl SelectionCore {
         if let Some(max) = self.config.max_active_reservations
             && rows.len() >= max
         {
-            self.metrics
-                .reservations_rejected_full
-                .fetch_add(1, Ordering::Relaxed);
+            self.metrics.reservations_rejected_full.inc();
             return Err(SelectionError::new(
                 crate::ErrorKind::ResourceExhausted,
                 429,
@@ -1316,9 +1454,9 @@ impl SelectionCore {
         drop(ledger);
         self.metrics
             .expired_reservations
-            .fetch_add(expired.len() as u64, Ordering::Relaxed);
+            .inc_by(expired.len() as u64);
         booked.map_err(ledger_error)?;
-        self.metrics.bookings.fetch_add(1, Ordering::Relaxed);
+        self.metrics.bookings.inc();
         Ok(())
     }
 
@@ -1349,6 +1487,18 @@ impl SelectionCore {
 
     /// `POST /reservations`.
     pub fn create_reservation(
+        &self,
+        req: ReservationRequest,
+    ) -> Result<ReservationResponse, SelectionError> {
+        let result = self.create_reservation_inner(req);
+        if let Err(e) = &result {
+            self.metrics
+                .reject(crate::metrics::RejectedOperation::Reservation, e);
+        }
+        result
+    }
+
+    fn create_reservation_inner(
         &self,
         req: ReservationRequest,
     ) -> Result<ReservationResponse, SelectionError> {
@@ -1574,7 +1724,7 @@ impl SelectionCore {
         let out = self.lifecycle_result(id, r);
         self.forget_row(id);
         let freed = out?;
-        self.metrics.frees.fetch_add(1, Ordering::Relaxed);
+        self.metrics.frees.inc();
         self.recheck_queue(&partition);
         self.publish_replica(crate::replica::sequence_event(
             &partition,
@@ -1612,9 +1762,7 @@ impl SelectionCore {
             }
         });
         drop(rows);
-        self.metrics
-            .expired_reservations
-            .fetch_add(expired as u64, Ordering::Relaxed);
+        self.metrics.expired_reservations.inc_by(expired as u64);
         expired
     }
 
@@ -1703,12 +1851,12 @@ impl SelectionCore {
         partition
             .index
             .read()
-            .find_tiered(&scratch.blocks, &mut scratch.tiered);
+            .find_tiered(&scratch.blocks, scratch.hits.tiered_mut());
         let ledger = partition.ledger.lock();
         let mut rows: Vec<LoadRow> = ledger
             .ranks()
             .map(|k| {
-                let hits = scratch.tiered.get(k).copied().unwrap_or_default();
+                let hits = scratch.hits.tiered().get(k).copied().unwrap_or_default();
                 let cache = CacheInputs {
                     device_blocks: hits.device,
                     host_blocks: hits.host_pinned,
@@ -1753,7 +1901,7 @@ impl SelectionCore {
         partition
             .index
             .read()
-            .find_tiered(&scratch.blocks, &mut scratch.tiered);
+            .find_tiered(&scratch.blocks, scratch.hits.tiered_mut());
         let mut rows: BTreeMap<WorkerKey, TierHits> = BTreeMap::new();
         for w in partition.workers.read().values() {
             for rank in w.record.dp_ranks() {
@@ -1767,7 +1915,7 @@ impl SelectionCore {
                 );
             }
         }
-        for h in scratch.tiered.hits() {
+        for h in scratch.hits.tiered().hits() {
             rows.insert(h.worker, *h);
         }
         let workers = rows
@@ -1857,6 +2005,11 @@ impl SelectionCore {
             index.apply(op);
         }
         Ok(())
+    }
+
+    /// Every partition, for scrape-time metrics.
+    pub(crate) fn partition_list(&self) -> Vec<Arc<Partition>> {
+        self.state.read().partitions.values().cloned().collect()
     }
 
     /// Event-application counters per partition.
@@ -2101,16 +2254,18 @@ fn session_of(req: &SelectRequest) -> Option<String> {
     }
 }
 
-fn overlap_summary(worker: &WorkerRequest, hits: &[TierHits], block_size: u32) -> OverlapSummary {
+fn overlap_summary(
+    worker: &WorkerRequest,
+    block_size: u32,
+    hits_of: impl Fn(WorkerKey) -> TierHits,
+) -> OverlapSummary {
     let tokens = |blocks: u32| -> u32 {
         u32::try_from(u64::from(blocks) * u64::from(block_size)).unwrap_or(u32::MAX)
     };
     let mut s = OverlapSummary::default();
     for rank in worker.dp_ranks() {
         let key = WorkerKey::new(worker.worker_id, rank);
-        let h = hits
-            .binary_search_by_key(&key, |h| h.worker)
-            .map_or_else(|_| TierHits::default(), |i| hits[i]);
+        let h = hits_of(key);
         s.dp.insert(rank, tokens(h.device));
         s.gpu = s.gpu.max(tokens(h.gpu()));
         s.cpu = s.cpu.max(tokens(h.cpu()));
@@ -2211,13 +2366,4 @@ fn any_rank_free(
             }
         })
     })
-}
-
-/// The normalized ISL of a prompt (§3.2), for queue accounting.
-fn prompt_isl(p: &PromptInput) -> u64 {
-    match (&p.mm_routing_info, &p.token_ids) {
-        (Some(m), _) if !m.routing_token_ids.is_empty() => m.routing_token_ids.len() as u64,
-        (_, Some(t)) => t.len() as u64,
-        _ => p.isl_tokens.unwrap_or(0),
-    }
 }

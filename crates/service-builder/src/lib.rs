@@ -17,14 +17,25 @@
 //!   lookup and the ledger lock only while reading projections. Event ingestion takes the
 //!   index write lock per event (per 128-block piece of a long store), never per batch, and
 //!   unlocks fairly so lookups are not starved.
+//! - With an admission queue, a selection hashes and looks up its prompt once, before
+//!   admission (the best cached tokens feed WSPT, cached-token limits and ISL buckets), and
+//!   scheduling reuses that lookup; without a queue there is no extra step. A queued
+//!   request is let out alone and re-checks the queue after booking, so the next waiter's
+//!   busy test sees its load.
 //! - A failed operation changes no state: claims of reservation ids are released on every
 //!   error path (a drop guard), and bookings are made last.
 //!
+//! # Metrics
+//! [`SelectionService::register_metrics`] puts every `kv_select_*` series into a
+//! `prometheus-client` registry the host owns. Request-path events are typed counters (one
+//! relaxed atomic increment each, rejection series pre-created); everything the service
+//! already keeps elsewhere (listener, index, ledger, replica statistics) is read by a
+//! collector at scrape time, so selection and event ingestion do no metrics work for it.
+//!
 //! # Not yet here
 //! KV hints name only the device tree's chain (a source whose advantage lies in host-pinned
-//! continuation blocks yields no hint). The admission queue runs only the
-//! synthetic policy class of `router_queue_threshold`: policy files are not parsed, and
-//! WSPT ordering sees no cached-token estimate (`best_cached_tokens` = 0).
+//! continuation blocks yields no hint). Policy files are parsed by the app; the core takes
+//! the resulting `selection_policy::PolicyClasses` in [`CoreConfig::policy_classes`].
 
 mod admission;
 mod catalog;
@@ -36,6 +47,7 @@ mod metrics;
 mod pending;
 mod replica;
 mod request;
+mod roster;
 mod service;
 mod session;
 
@@ -48,7 +60,10 @@ pub use discovery::CatalogReconciler;
 pub use error::{BuildError, ErrorKind, RejectionDetails, SelectionError};
 /// Listener statistics and their label sets, for exporters.
 pub use kv_events::{DropReason, FilterReason, ListenerStats};
-pub use metrics::{CoreMetrics, LatencyHistogram, SELECTION_LATENCY_BUCKETS_US};
+pub use metrics::{
+    CoreMetrics, LatencyHistogram, METRICS_PREFIX, RejectedOperation, RejectionReason,
+    SELECTION_LATENCY_BUCKETS_US,
+};
 pub use pending::SelectionCacheConfig;
 pub use replica::ReplicaApplyStats;
 pub use request::{

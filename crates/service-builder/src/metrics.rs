@@ -1,17 +1,54 @@
-//! The service's counters and latency histogram: plain atomics, updated on the hot path
-//! without locks and read by the app's `/metrics` exporter at scrape time.
+//! The service's metrics, exported through `prometheus-client`.
+//!
+//! Two kinds of series, on purpose:
+//! - Events counted on the request path (selections, bookings, frees, expiries,
+//!   rejections by reason, the selection latency) live in [`CoreMetrics`] as typed
+//!   `prometheus-client` counters: one relaxed atomic increment each, no lock, no lookup
+//!   (the rejection family's series are created up front and kept as handles).
+//! - Values the service already keeps elsewhere (listener statistics, index counters and
+//!   sizes, ledger and cache sizes, replica statistics) are read only at scrape time by a
+//!   [`Collector`], so the select and event-apply paths do no extra work for them.
+//!
+//! The latency histogram is a fixed-bucket atomic histogram of our own that encodes as a
+//! Prometheus histogram: `prometheus-client`'s `Histogram` takes a mutex per observation,
+//! which every selection would contend on.
 
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
+
+use kv_types::StorageTier;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::core::SelectionCore;
+use crate::error::{ErrorKind, SelectionError};
+
+/// The prefix of every series this crate registers.
+pub const METRICS_PREFIX: &str = "kv_select";
 
 /// Upper bounds (µs) of the selection-latency buckets; the last bucket is `+Inf`.
 pub const SELECTION_LATENCY_BUCKETS_US: [u64; 10] = [
     25, 50, 100, 250, 500, 1_000, 2_500, 10_000, 100_000, 1_000_000,
 ];
 
-/// A fixed-bucket histogram (Prometheus semantics: cumulative on export).
-#[derive(Debug, Default)]
+/// A fixed-bucket histogram (Prometheus semantics: cumulative on export). Clones share
+/// the same buckets, like `prometheus-client`'s own metrics.
+#[derive(Clone, Debug, Default)]
 pub struct LatencyHistogram {
+    inner: Arc<HistogramCells>,
+}
+
+#[derive(Debug, Default)]
+struct HistogramCells {
     buckets: [AtomicU64; SELECTION_LATENCY_BUCKETS_US.len() + 1],
     sum_us: AtomicU64,
 }
@@ -20,14 +57,15 @@ impl LatencyHistogram {
     pub fn observe(&self, d: Duration) {
         let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         let i = SELECTION_LATENCY_BUCKETS_US.partition_point(|&b| b < us);
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        self.inner.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.inner.sum_us.fetch_add(us, Ordering::Relaxed);
     }
 
     /// `(upper bound in µs or None for +Inf, cumulative count)` rows, then the sum in µs.
     pub fn snapshot(&self) -> (Vec<(Option<u64>, u64)>, u64) {
         let mut acc = 0;
         let rows = self
+            .inner
             .buckets
             .iter()
             .enumerate()
@@ -36,22 +74,566 @@ impl LatencyHistogram {
                 (SELECTION_LATENCY_BUCKETS_US.get(i).copied(), acc)
             })
             .collect();
-        (rows, self.sum_us.load(Ordering::Relaxed))
+        (rows, self.inner.sum_us.load(Ordering::Relaxed))
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.inner
+            .buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .sum()
     }
 }
 
-/// Counters and totals exported on `/metrics`.
-#[derive(Debug, Default)]
+impl TypedMetric for LatencyHistogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for LatencyHistogram {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> fmt::Result {
+        // Per-bucket (not cumulative) counts: the encoder accumulates them. The count is
+        // the sum of the buckets read, so `_count` always equals the `+Inf` bucket.
+        let mut buckets = [(0.0, 0); SELECTION_LATENCY_BUCKETS_US.len() + 1];
+        let mut count = 0;
+        for (i, (slot, cell)) in buckets.iter_mut().zip(&self.inner.buckets).enumerate() {
+            let n = cell.load(Ordering::Relaxed);
+            let bound = SELECTION_LATENCY_BUCKETS_US
+                .get(i)
+                .map_or(f64::INFINITY, |&us| us as f64 / 1e6);
+            *slot = (bound, n);
+            count += n;
+        }
+        let sum = self.inner.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+/// Which operation a rejection answered (`operation` label of `kv_select_rejections_total`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum RejectedOperation {
+    Select,
+    SelectAndReserve,
+    /// `POST /reservations`.
+    Reservation,
+}
+
+impl RejectedOperation {
+    pub const ALL: [RejectedOperation; 3] = [
+        RejectedOperation::Select,
+        RejectedOperation::SelectAndReserve,
+        RejectedOperation::Reservation,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RejectedOperation::Select => "select",
+            RejectedOperation::SelectAndReserve => "select_and_reserve",
+            RejectedOperation::Reservation => "reservation",
+        }
+    }
+
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Why an operation was rejected (`reason` label of `kv_select_rejections_total`),
+/// derived from the error's kind and status.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum RejectionReason {
+    /// The request itself is invalid (400/422).
+    BadRequest,
+    /// An unknown partition, worker or reservation (404).
+    NotFound,
+    /// A duplicate selection or reservation id (409).
+    Conflict,
+    /// No schedulable worker can serve it, or the service is not ready / shutting down (503).
+    NoSchedulable,
+    /// The admission queue refused it (queue limits, 429 with rejection details).
+    QueueRejected,
+    /// It waited in the admission queue past its deadline (429).
+    QueueTimeout,
+    /// `--max-active-reservations` is reached (429).
+    Capacity,
+    /// Anything else (500).
+    Internal,
+}
+
+impl RejectionReason {
+    pub const ALL: [RejectionReason; 8] = [
+        RejectionReason::BadRequest,
+        RejectionReason::NotFound,
+        RejectionReason::Conflict,
+        RejectionReason::NoSchedulable,
+        RejectionReason::QueueRejected,
+        RejectionReason::QueueTimeout,
+        RejectionReason::Capacity,
+        RejectionReason::Internal,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RejectionReason::BadRequest => "bad_request",
+            RejectionReason::NotFound => "not_found",
+            RejectionReason::Conflict => "conflict",
+            RejectionReason::NoSchedulable => "no_schedulable",
+            RejectionReason::QueueRejected => "queue_rejected",
+            RejectionReason::QueueTimeout => "queue_timeout",
+            RejectionReason::Capacity => "capacity",
+            RejectionReason::Internal => "internal",
+        }
+    }
+
+    /// The reason an error counts under.
+    pub fn of(e: &SelectionError) -> Self {
+        match (e.kind(), e.status_code()) {
+            (ErrorKind::ResourceExhausted, _) => RejectionReason::Capacity,
+            (_, 429) if e.details().is_some() => RejectionReason::QueueRejected,
+            (_, 429) => RejectionReason::QueueTimeout,
+            (ErrorKind::NotReady, _) | (_, 503) => RejectionReason::NoSchedulable,
+            (ErrorKind::BadRequest, _) | (_, 400 | 422) => RejectionReason::BadRequest,
+            (ErrorKind::NotFound, _) | (_, 404) => RejectionReason::NotFound,
+            (ErrorKind::Conflict, _) | (_, 409) => RejectionReason::Conflict,
+            _ => RejectionReason::Internal,
+        }
+    }
+
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+type RejectionLabels = [(&'static str, &'static str); 2];
+
+/// Counters updated on the request path; read them for tests and embedders, or export
+/// them with [`SelectionCore::register_metrics`].
+#[derive(Debug)]
 pub struct CoreMetrics {
-    pub selections: AtomicU64,
-    pub bookings: AtomicU64,
-    pub selection_errors: AtomicU64,
-    pub pending_evictions: AtomicU64,
-    pub expired_reservations: AtomicU64,
-    pub reservations_rejected_full: AtomicU64,
-    pub frees: AtomicU64,
+    pub(crate) selections: Counter,
+    pub(crate) bookings: Counter,
+    pub(crate) selection_errors: Counter,
+    pub(crate) pending_evictions: Counter,
+    pub(crate) expired_reservations: Counter,
+    pub(crate) reservations_rejected_full: Counter,
+    pub(crate) frees: Counter,
     /// Wall time of `select` / `select_and_reserve` inside the core (queue wait included).
-    pub selection_latency: LatencyHistogram,
+    pub(crate) selection_latency: LatencyHistogram,
+    rejections: Family<RejectionLabels, Counter>,
+    /// Handles into `rejections`, so counting one is an array index and an increment.
+    rejection_cells: [[Counter; RejectionReason::ALL.len()]; RejectedOperation::ALL.len()],
+}
+
+impl Default for CoreMetrics {
+    fn default() -> Self {
+        let rejections = Family::<RejectionLabels, Counter>::default();
+        let rejection_cells = RejectedOperation::ALL.map(|op| {
+            RejectionReason::ALL.map(|reason| {
+                rejections
+                    .get_or_create(&[("operation", op.as_str()), ("reason", reason.as_str())])
+                    .clone()
+            })
+        });
+        Self {
+            selections: Counter::default(),
+            bookings: Counter::default(),
+            selection_errors: Counter::default(),
+            pending_evictions: Counter::default(),
+            expired_reservations: Counter::default(),
+            reservations_rejected_full: Counter::default(),
+            frees: Counter::default(),
+            selection_latency: LatencyHistogram::default(),
+            rejections,
+            rejection_cells,
+        }
+    }
+}
+
+impl CoreMetrics {
+    /// Successful `select` / `select_and_reserve` calls.
+    pub fn selections(&self) -> u64 {
+        self.selections.get()
+    }
+    /// Failed `select` / `select_and_reserve` calls.
+    pub fn selection_errors(&self) -> u64 {
+        self.selection_errors.get()
+    }
+    /// Bookings made (by `select_and_reserve` and `POST /reservations`).
+    pub fn bookings(&self) -> u64 {
+        self.bookings.get()
+    }
+    /// Reservations freed by `DELETE /reservations/{id}`.
+    pub fn frees(&self) -> u64 {
+        self.frees.get()
+    }
+    /// Pending selections evicted from the cache for space.
+    pub fn pending_evictions(&self) -> u64 {
+        self.pending_evictions.get()
+    }
+    /// Bookings reclaimed by expiry.
+    pub fn expired_reservations(&self) -> u64 {
+        self.expired_reservations.get()
+    }
+    /// Bookings refused because `--max-active-reservations` was reached.
+    pub fn reservations_rejected(&self) -> u64 {
+        self.reservations_rejected_full.get()
+    }
+    /// Rejections of `operation` for `reason`.
+    pub fn rejections(&self, operation: RejectedOperation, reason: RejectionReason) -> u64 {
+        self.rejection_cells[operation.index()][reason.index()].get()
+    }
+    pub fn selection_latency(&self) -> &LatencyHistogram {
+        &self.selection_latency
+    }
+
+    /// Counts a failed operation under its reason.
+    pub(crate) fn reject(&self, operation: RejectedOperation, e: &SelectionError) {
+        self.rejection_cells[operation.index()][RejectionReason::of(e).index()].inc();
+    }
+
+    /// Registers the request-path series (handles sharing these counters) without prefix.
+    /// `Registry::register` appends a period to each help text.
+    fn register(&self, r: &mut Registry) {
+        let counters = [
+            ("selections", "Successful selections", &self.selections),
+            (
+                "selection_errors",
+                "Failed selections",
+                &self.selection_errors,
+            ),
+            ("bookings", "Bookings made", &self.bookings),
+            ("frees", "Reservations freed by DELETE", &self.frees),
+            (
+                "pending_selection_evictions",
+                "Pending selections evicted for space",
+                &self.pending_evictions,
+            ),
+            (
+                "expired_reservations",
+                "Reservations reclaimed by expiry",
+                &self.expired_reservations,
+            ),
+            (
+                "reservations_rejected",
+                "Bookings rejected by --max-active-reservations",
+                &self.reservations_rejected_full,
+            ),
+        ];
+        for (name, help, c) in counters {
+            r.register(name, help, c.clone());
+        }
+        r.register(
+            "rejections",
+            "Failed select, select_and_reserve and reservation calls, by operation and reason",
+            self.rejections.clone(),
+        );
+        r.register_with_unit(
+            "selection_duration",
+            "Time inside the service per selection (queue wait included)",
+            Unit::Seconds,
+            self.selection_latency.clone(),
+        );
+    }
+}
+
+impl SelectionCore {
+    /// Registers every `kv_select_*` series of this core into `registry` (under a
+    /// `kv_select` sub-registry): the request-path counters, and a collector that reads
+    /// listener, index, ledger and replica statistics at scrape time. Call once per
+    /// registry; the registry does not keep the core alive.
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
+        let sub = registry.sub_registry_with_prefix(METRICS_PREFIX);
+        self.metrics().register(sub);
+        sub.register_collector(Box::new(ScrapeCollector {
+            core: Arc::downgrade(self),
+        }));
+    }
+}
+
+/// Reads, at scrape time, what the service keeps outside [`CoreMetrics`].
+#[derive(Debug)]
+struct ScrapeCollector {
+    core: Weak<SelectionCore>,
+}
+
+impl Collector for ScrapeCollector {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {
+        let Some(core) = self.core.upgrade() else {
+            return Ok(());
+        };
+        encode_state(&core, &mut enc)?;
+        encode_index(&core, &mut enc)?;
+        encode_replica(&core, &mut enc)?;
+        encode_listeners(&core, &mut enc)
+    }
+}
+
+/// One metric family from `(labels, value)` rows.
+fn rows<L: EncodeLabelSet>(
+    enc: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    ty: MetricType,
+    rows: impl IntoIterator<Item = (L, u64)>,
+) -> fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, ty)?;
+    for (labels, v) in rows {
+        let sample = m.encode_family(&labels)?;
+        if let MetricType::Counter = ty {
+            ConstCounter::new(v).encode(sample)?;
+        } else {
+            ConstGauge::new(v).encode(sample)?;
+        }
+    }
+    Ok(())
+}
+
+/// One unlabelled sample.
+fn single(
+    enc: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    ty: MetricType,
+    v: u64,
+) -> fmt::Result {
+    let m = enc.encode_descriptor(name, help, None, ty)?;
+    if let MetricType::Counter = ty {
+        ConstCounter::new(v).encode(m)
+    } else {
+        ConstGauge::new(v).encode(m)
+    }
+}
+
+fn encode_state(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
+    let (pending, pending_bytes) = core.pending_selection_count();
+    let gauges = [
+        (
+            "active_reservations",
+            "Live reservation rows.",
+            core.reservation_count(),
+        ),
+        ("pending_selections", "Cached pending selections.", pending),
+        (
+            "pending_selection_bytes",
+            "Estimated bytes of the pending cache.",
+            pending_bytes,
+        ),
+        (
+            "session_bindings",
+            "Session-affinity bindings.",
+            core.session_count(),
+        ),
+    ];
+    for (name, help, v) in gauges {
+        single(enc, name, help, MetricType::Gauge, v as u64)?;
+    }
+    Ok(())
+}
+
+fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
+    struct Row {
+        model_name: String,
+        routing_group: String,
+        counters: kv_index::ApplyCounters,
+        blocks: usize,
+        memberships: [usize; StorageTier::ALL.len()],
+    }
+    // Copy everything out first: each index lock is held only for the reads.
+    let snapshot: Vec<Row> = core
+        .partition_list()
+        .iter()
+        .map(|p| {
+            let index = p.index.read();
+            let stats = index.primary_stats();
+            let memberships = StorageTier::ALL.map(|tier| match tier {
+                StorageTier::Device => stats.memberships,
+                lower => index.lower_tier(lower).map_or(0, |l| l.memberships()),
+            });
+            Row {
+                model_name: p.key.model_name.clone(),
+                routing_group: p.key.routing_group.clone(),
+                counters: index.counters(),
+                blocks: stats.nodes,
+                memberships,
+            }
+        })
+        .collect();
+    let part = |r: &Row| -> [(&'static str, String); 2] {
+        [
+            ("model_name", r.model_name.clone()),
+            ("routing_group", r.routing_group.clone()),
+        ]
+    };
+    rows(
+        enc,
+        "index_events",
+        "KV index operations applied, by type and status.",
+        MetricType::Counter,
+        snapshot.iter().flat_map(|r| {
+            r.counters
+                .applied_rows()
+                .into_iter()
+                .map(move |(event_type, status, v)| {
+                    (
+                        (part(r), [("event_type", event_type), ("status", status)]),
+                        v,
+                    )
+                })
+        }),
+    )?;
+    rows(
+        enc,
+        "index_blocks",
+        "Distinct device-tier blocks (prefix-tree nodes) in the partition's index.",
+        MetricType::Gauge,
+        snapshot.iter().map(|r| (part(r), r.blocks as u64)),
+    )?;
+    rows(
+        enc,
+        "index_memberships",
+        "(worker rank, block) memberships in the partition's index, by storage tier.",
+        MetricType::Gauge,
+        snapshot.iter().flat_map(|r| {
+            StorageTier::ALL
+                .into_iter()
+                .zip(r.memberships)
+                .map(move |(tier, n)| ((part(r), [("tier", tier.as_str())]), n as u64))
+        }),
+    )
+}
+
+fn encode_replica(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
+    let Some(m) = core.replica_mesh_stats() else {
+        return Ok(());
+    };
+    let counter = MetricType::Counter;
+    single(
+        enc,
+        "replica_sent",
+        "Replica events sent to peers.",
+        counter,
+        m.sent,
+    )?;
+    single(
+        enc,
+        "replica_delivered",
+        "Replica events received from peers and handed to the service.",
+        counter,
+        m.delivered,
+    )?;
+    single(
+        enc,
+        "replica_applied",
+        "Replica events from peers applied to the ledger or session tables.",
+        counter,
+        core.replica_stats().applied.load(Ordering::Relaxed),
+    )?;
+    rows(
+        enc,
+        "replica_send_dropped",
+        "Replica events not sent, by reason.",
+        counter,
+        [
+            ("queue_full", m.dropped_queue_full),
+            ("send_error", m.dropped_send),
+            ("closed", m.dropped_closed),
+        ]
+        .map(|(reason, v)| ([("reason", reason)], v)),
+    )?;
+    let received = [
+        ("frame_count", m.dropped_frame_count),
+        ("unknown_topic", m.dropped_unknown_topic),
+        ("decode", m.dropped_decode),
+        ("unauthenticated", m.dropped_unauthenticated),
+    ];
+    rows(
+        enc,
+        "replica_received_dropped",
+        "Replica events from peers not applied, by reason.",
+        counter,
+        received
+            .into_iter()
+            .chain(core.replica_stats().dropped_rows())
+            .map(|(reason, v)| ([("reason", reason)], v)),
+    )
+}
+
+fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
+    let stats = core.listener_stats();
+    let rank = |k: &kv_types::WorkerKey| -> [(&'static str, u64); 2] {
+        [
+            ("worker_id", k.worker_id.0),
+            ("dp_rank", u64::from(k.dp_rank.0)),
+        ]
+    };
+    type Field = fn(&kv_events::ListenerStats) -> &AtomicU64;
+    let plain: [(&str, &str, Field); 5] = [
+        (
+            "kv_batches_applied",
+            "KV event batches applied to the index.",
+            |s| &s.batches_applied,
+        ),
+        (
+            "kv_stale_batches",
+            "Live KV batches at or below the watermark (duplicates or a restarted publisher).",
+            |s| &s.stale_batches,
+        ),
+        (
+            "kv_gaps",
+            "Sequence gaps detected on live KV batches.",
+            |s| &s.gaps_detected,
+        ),
+        (
+            "kv_batches_lost",
+            "KV batches known missing after gap handling.",
+            |s| &s.batches_lost,
+        ),
+        (
+            "kv_replays_timed_out",
+            "Gap replays abandoned after the replay timeout.",
+            |s| &s.replays_timed_out,
+        ),
+    ];
+    for (name, help, field) in plain {
+        rows(
+            enc,
+            name,
+            help,
+            MetricType::Counter,
+            stats
+                .iter()
+                .map(|(k, s)| (rank(k), field(s).load(Ordering::Relaxed))),
+        )?;
+    }
+    rows(
+        enc,
+        "kv_dropped_batches",
+        "KV event batches dropped, by reason.",
+        MetricType::Counter,
+        stats.iter().flat_map(|(k, s)| {
+            kv_events::DropReason::ALL
+                .into_iter()
+                .map(move |r| ((rank(k), [("reason", r.as_str())]), s.dropped(r)))
+        }),
+    )?;
+    rows(
+        enc,
+        "kv_filtered_events",
+        "KV events filtered out, by reason.",
+        MetricType::Counter,
+        stats.iter().flat_map(|(k, s)| {
+            kv_events::FilterReason::ALL
+                .into_iter()
+                .map(move |r| ((rank(k), [("reason", r.as_str())]), s.filtered(r)))
+        }),
+    )
 }
 
 #[cfg(test)]
@@ -69,5 +651,102 @@ mod tests {
         assert_eq!(rows[1], (Some(50), 3));
         assert_eq!(rows.last(), Some(&(None, 4)));
         assert_eq!(sum, 10 + 25 + 26 + 2_000_000);
+        assert_eq!(h.count(), 4);
+    }
+
+    #[test]
+    fn histogram_encodes_as_prometheus_histogram() {
+        let h = LatencyHistogram::default();
+        for us in [10, 60, 2_000_000] {
+            h.observe(Duration::from_micros(us));
+        }
+        let mut r = Registry::with_prefix("kv_select");
+        r.register_with_unit("selection_duration", "h", Unit::Seconds, h.clone());
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &r).unwrap();
+        assert!(text.contains("# TYPE kv_select_selection_duration_seconds histogram\n"));
+        assert!(text.contains("kv_select_selection_duration_seconds_bucket{le=\"2.5e-05\"} 1\n"));
+        assert!(text.contains("kv_select_selection_duration_seconds_bucket{le=\"0.0001\"} 2\n"));
+        assert!(text.contains("kv_select_selection_duration_seconds_bucket{le=\"1\"} 2\n"));
+        assert!(text.contains("kv_select_selection_duration_seconds_bucket{le=\"+Inf\"} 3\n"));
+        assert!(text.contains("kv_select_selection_duration_seconds_sum 2.00007\n"));
+        assert!(text.contains("kv_select_selection_duration_seconds_count 3\n"));
+        assert_eq!(text.matches("_bucket{").count(), 11, "{text}");
+    }
+
+    #[test]
+    fn rejection_reasons_follow_kind_and_status() {
+        let check = |e: SelectionError, want: RejectionReason| {
+            assert_eq!(RejectionReason::of(&e), want, "{e:?}");
+        };
+        check(
+            SelectionError::bad_request("x"),
+            RejectionReason::BadRequest,
+        );
+        check(SelectionError::not_found("x"), RejectionReason::NotFound);
+        check(SelectionError::conflict("x"), RejectionReason::Conflict);
+        check(
+            SelectionError::not_ready("x"),
+            RejectionReason::NoSchedulable,
+        );
+        check(
+            SelectionError::scheduler(503, "x"),
+            RejectionReason::NoSchedulable,
+        );
+        check(
+            SelectionError::scheduler(429, "x"),
+            RejectionReason::QueueTimeout,
+        );
+        check(
+            SelectionError::scheduler(429, "x").with_details(crate::RejectionDetails {
+                policy_class: "default".into(),
+                limit_kind: "max_queue_depth".into(),
+                current: 1,
+                limit: 1,
+            }),
+            RejectionReason::QueueRejected,
+        );
+        check(
+            SelectionError::new(ErrorKind::ResourceExhausted, 429, "x"),
+            RejectionReason::Capacity,
+        );
+        check(
+            SelectionError::sequence(409, "x"),
+            RejectionReason::Conflict,
+        );
+        check(
+            SelectionError::sequence(404, "x"),
+            RejectionReason::NotFound,
+        );
+        check(
+            SelectionError::scheduler(500, "x"),
+            RejectionReason::Internal,
+        );
+        check(SelectionError::internal("x"), RejectionReason::Internal);
+    }
+
+    #[test]
+    fn rejection_cells_share_the_family() {
+        let m = CoreMetrics::default();
+        m.reject(
+            RejectedOperation::Reservation,
+            &SelectionError::conflict("x"),
+        );
+        assert_eq!(
+            m.rejections(RejectedOperation::Reservation, RejectionReason::Conflict),
+            1
+        );
+        let mut r = Registry::default();
+        m.register(&mut r);
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &r).unwrap();
+        assert!(
+            text.contains("rejections_total{operation=\"reservation\",reason=\"conflict\"} 1\n"),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("rejections_total{").count(),
+            RejectedOperation::ALL.len() * RejectionReason::ALL.len()
+        );
     }
 }

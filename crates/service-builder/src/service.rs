@@ -21,6 +21,7 @@ pub struct SelectionServiceBuilder {
     policy_factory: Option<PolicyFactory>,
     expiry_period: Option<Duration>,
     replica: Option<ReplicaSyncConfig>,
+    replica_key: Option<replica_sync::ReplicaKey>,
 }
 
 /// The replica mesh settings (`--replica-sync-port`, `--replica-sync-peers`, `--host`).
@@ -48,6 +49,7 @@ impl SelectionServiceBuilder {
             policy_factory: None,
             expiry_period: None,
             replica: None,
+            replica_key: None,
         }
     }
 
@@ -72,6 +74,13 @@ impl SelectionServiceBuilder {
     /// Enables the replica mesh (validated in [`Self::build`]).
     pub fn replica_sync(mut self, replica: ReplicaSyncConfig) -> Self {
         self.replica = Some(replica);
+        self
+    }
+
+    /// Authenticates replica messages with this pre-shared key (`--replica-sync-key-file`);
+    /// only meaningful together with [`Self::replica_sync`].
+    pub fn replica_sync_key(mut self, key: replica_sync::ReplicaKey) -> Self {
+        self.replica_key = Some(key);
         self
     }
 
@@ -129,6 +138,7 @@ impl SelectionServiceBuilder {
                 m.peers = peers;
                 m.session_affinity = config.session_affinity_ttl.is_some();
                 m.router_id = Some(router_id);
+                m.auth_key = self.replica_key;
                 Some(m)
             }
             _ => None,
@@ -177,6 +187,12 @@ impl SelectionService {
     /// The shared core: every operation of the service.
     pub fn core(&self) -> &Arc<SelectionCore> {
         &self.core
+    }
+
+    /// Registers the service's `kv_select_*` series into `registry`
+    /// (see [`SelectionCore::register_metrics`]).
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.core.register_metrics(registry);
     }
 
     /// Stops accepting work, stops listeners and background tasks, and waits for them.

@@ -177,6 +177,15 @@ fn register_events_select_reserve_lifecycle_loads_dump() {
     let (_, metrics) = server.get("/metrics");
     let text = metrics.as_str().unwrap_or_default().to_owned();
     assert!(text.contains("kv_select_bookings_total 1"), "{text}");
+    for line in [
+        "# TYPE kv_select_bookings_total counter",
+        "kv_select_frees_total 1",
+        "kv_select_active_reservations 0",
+        r#"kv_select_index_blocks{model_name="default",routing_group="default"} 8"#,
+        r#"kv_select_rejections_total{operation="select",reason="bad_request"} 0"#,
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+    }
     assert!(
         text.contains("kv_select_selection_duration_seconds_bucket{le=\"+Inf\"}"),
         "{text}"
@@ -449,4 +458,99 @@ fn the_workers_file_is_watched_and_reconciled() {
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(ids(&server), [2, 3, 4]);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_bad_router_policy_file_exits_with_code_2_naming_the_field() {
+    let path =
+        std::env::temp_dir().join(format!("kv-select-bin-policy-{}.yaml", std::process::id()));
+    std::fs::write(
+        &path,
+        "classes:\n  - name: interactive\n    queue_policy: lcfs\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_select-server"))
+        .args(["--port", "0"])
+        .env("DYN_ROUTER_POLICY_CONFIG", &path)
+        .output()
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&*path.to_string_lossy()), "{stderr}");
+    assert!(stderr.contains("classes[0].queue_policy"), "{stderr}");
+    assert!(stderr.contains("lcfs is not allowed"), "{stderr}");
+}
+
+/// `POST path` with one extra header; returns the status and the JSON body.
+fn post_with_header(port: u16, path: &str, header: &str, body: &Value) -> (u16, Value) {
+    use std::io::{Read, Write};
+    let body = body.to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{header}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let status: u16 = raw[9..12].parse().unwrap();
+    let text = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    (status, serde_json::from_str(text).unwrap_or(Value::Null))
+}
+
+#[test]
+fn policy_file_classes_reach_the_queue_through_the_header() {
+    let path =
+        std::env::temp_dir().join(format!("kv-select-bin-classes-{}.yaml", std::process::id()));
+    std::fs::write(
+        &path,
+        "classes:\n\
+         \x20 - name: strict\n\
+         \x20   prefill_busy_threshold: 10\n\
+         \x20   request_queue_limit_per_worker: 0\n\
+         \x20   families: [chat]\n\
+         \x20 - name: lenient\n\
+         \x20   prefill_busy_threshold: 1000\n\
+         default_class: lenient\n",
+    )
+    .unwrap();
+    let path_str = path.to_string_lossy().into_owned();
+    let server = Server::start_with_env(
+        &[],
+        &[
+            ("DYN_ROUTER_POLICY_CONFIG", path_str.as_str()),
+            ("DYN_ROUTER_USE_KV_EVENTS", "false"),
+        ],
+    );
+    std::fs::remove_file(&path).unwrap();
+    let (status, record) = server.post(
+        "/workers",
+        json!({"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
+               "max_num_batched_tokens": 10000}),
+    );
+    assert_eq!(status, 201, "{record}");
+    assert_eq!(record["lifecycle"], "schedulable", "{record}");
+    let prompt = |n: u32| json!({"token_ids": (0..n).collect::<Vec<u32>>()});
+    assert_eq!(server.post("/select_and_reserve", prompt(80)).0, 200);
+    let (status, body) = post_with_header(
+        server.port,
+        "/select_and_reserve",
+        "x-dynamo-meta-policy-class: chat",
+        &prompt(8),
+    );
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(
+        body["details"],
+        json!({"policy_class": "strict", "limit_kind": "requests", "current": 0, "limit": 0})
+    );
+    let (status, body) = post_with_header(
+        server.port,
+        "/select_and_reserve",
+        "x-dynamo-meta-policy-class: unknown",
+        &prompt(8),
+    );
+    assert_eq!(status, 200, "{body}");
 }

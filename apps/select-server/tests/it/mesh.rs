@@ -16,20 +16,20 @@ use crate::http::free_port;
 
 /// One replica's fixed ports: kept across a restart so that peers reconnect by themselves.
 #[derive(Clone, Copy)]
-struct Ports {
-    http: u16,
-    replica: u16,
+pub(crate) struct Ports {
+    pub(crate) http: u16,
+    pub(crate) replica: u16,
 }
 
-struct Replica {
+pub(crate) struct Replica {
     child: Child,
-    port: u16,
+    pub(crate) port: u16,
 }
 
 impl Replica {
     /// Starts a replica publishing on `me.replica` and subscribed to every `peers` endpoint.
     /// Retries a few times: a port freed by a killed process may take a moment to rebind.
-    fn start(me: Ports, peers: &[Ports]) -> Replica {
+    pub(crate) fn start(me: Ports, peers: &[Ports]) -> Replica {
         let peer_list = peers
             .iter()
             .map(|p| format!("tcp://127.0.0.1:{}", p.replica))
@@ -66,24 +66,24 @@ impl Replica {
         panic!("replica did not listen on {} after 5 attempts", me.http);
     }
 
-    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    pub(crate) fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
         crate::http::call(self.port, method, path, body)
     }
 
-    fn post(&self, path: &str, body: Value) -> (u16, Value) {
+    pub(crate) fn post(&self, path: &str, body: Value) -> (u16, Value) {
         self.call("POST", path, Some(&body))
     }
 
-    fn get(&self, path: &str) -> (u16, Value) {
+    pub(crate) fn get(&self, path: &str) -> (u16, Value) {
         self.call("GET", path, None)
     }
 
-    fn delete(&self, id: &str) -> u16 {
+    pub(crate) fn delete(&self, id: &str) -> u16 {
         self.call("DELETE", &format!("/reservations/{id}"), None).0
     }
 
     /// Registers the catalog every replica shares: workers 1..=3, block size 16.
-    fn register_catalog(&self, kv_ports: &[u16; 3]) {
+    pub(crate) fn register_catalog(&self, kv_ports: &[u16; 3]) {
         for (id, kv) in (1..=3).zip(kv_ports) {
             let w = json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 16,
                            "kv_events_endpoint": format!("tcp://127.0.0.1:{kv}")});
@@ -98,7 +98,7 @@ impl Replica {
         loads[0]["loads"].as_array().cloned().unwrap_or_default()
     }
 
-    fn active_requests(&self) -> u64 {
+    pub(crate) fn active_requests(&self) -> u64 {
         self.rows()
             .iter()
             .map(|r| r["active_requests"].as_u64().unwrap_or(0))
@@ -113,7 +113,7 @@ impl Replica {
     }
 
     /// SIGKILL: no shutdown path runs, peers just lose the connection.
-    fn kill(mut self) {
+    pub(crate) fn kill(mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
     }
@@ -126,7 +126,7 @@ impl Drop for Replica {
     }
 }
 
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+pub(crate) fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(15);
     for _ in 0..2_000 {
         if f() {
@@ -141,7 +141,7 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 /// Books throw-away probes on `from` until every `to` replica mirrors one: a SUB socket that
 /// has just connected misses what was published before its subscription landed (ZMQ's slow
 /// joiner), so nothing can be asserted about the mesh before this succeeds.
-fn warm_up(from: &Replica, to: &[&Replica], tag: &str) {
+pub(crate) fn warm_up(from: &Replica, to: &[&Replica], tag: &str) {
     let mut n = 0;
     wait_for(&format!("{tag}: probes to reach every peer"), || {
         n += 1;

@@ -357,7 +357,7 @@ async fn nesting_and_array_bounds() {
             max_array_len: 4,
             ..BodyLimits::default()
         },
-        auth_token: None,
+        ..EdgeOptions::default()
     });
     let r = small
         .json(Method::POST, "/select", r#"{"token_ids":[1,2,3,4,5]}"#)
@@ -374,8 +374,8 @@ async fn nesting_and_array_bounds() {
 #[tokio::test]
 async fn bearer_auth() {
     let h = Harness::with_options(EdgeOptions {
-        limits: BodyLimits::default(),
-        auth_token: Some("s3cret".to_owned()),
+        auth: select_server::AccessTokens::from_tokens(["s3cret"], []),
+        ..EdgeOptions::default()
     });
     let r = h.bare(Method::GET, "/health").await;
     assert_eq!(r.status, StatusCode::OK);

@@ -92,3 +92,51 @@ fn workers_file_is_an_array_of_worker_records() {
     assert!(read_workers_file(&dir.join("missing.json")).is_err());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn workers_file_may_be_a_yaml_list_by_extension() {
+    let dir = std::env::temp_dir().join(format!("select-server-it-yaml-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let yaml = "\
+# two workers, the second one data-parallel
+- worker_id: 1
+  endpoint: http://a
+  block_size: 16
+  taints: [gpu-a100]
+- worker_id: 2
+  model_name: m
+  data_parallel_size: 2
+  kv_events_endpoints:
+    0: tcp://10.0.0.2:5557
+    1: tcp://10.0.0.2:5558
+  topology_domains: {rack: r1}
+";
+    let json = r#"[
+        {"worker_id":1,"endpoint":"http://a","block_size":16,"taints":["gpu-a100"]},
+        {"worker_id":2,"model_name":"m","data_parallel_size":2,
+         "kv_events_endpoints":{"0":"tcp://10.0.0.2:5557","1":"tcp://10.0.0.2:5558"},
+         "topology_domains":{"rack":"r1"}}
+    ]"#;
+    let json_path = dir.join("workers.json");
+    std::fs::write(&json_path, json).expect("write");
+    let from_json = read_workers_file(&json_path).expect("json parses");
+    for name in ["workers.yaml", "workers.YML"] {
+        let path = dir.join(name);
+        std::fs::write(&path, yaml).expect("write");
+        let workers = read_workers_file(&path).expect("yaml parses");
+        assert_eq!(workers, from_json, "{name}");
+    }
+    assert_eq!(from_json[1].kv_events_endpoints.len(), 2);
+
+    // The extension decides: YAML content in a .json file is a JSON error, and a YAML
+    // mapping is not a list.
+    let misnamed = dir.join("yaml-content.json");
+    std::fs::write(&misnamed, yaml).expect("write");
+    let err = read_workers_file(&misnamed).unwrap_err().to_string();
+    assert!(err.contains("not a JSON array"), "{err}");
+    let mapping = dir.join("mapping.yml");
+    std::fs::write(&mapping, "worker_id: 1\n").expect("write");
+    let err = read_workers_file(&mapping).unwrap_err().to_string();
+    assert!(err.contains("not a YAML list"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -17,6 +17,8 @@ use replica_sync::{
     ReplicaMesh, ReplicaSink, RouterId, SequenceEvent, SequenceEventKind, SessionBinding,
 };
 
+mod auth;
+
 const WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Default)]

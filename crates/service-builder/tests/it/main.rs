@@ -6,6 +6,8 @@
     reason = "test helpers fail loudly on broken fixtures"
 )]
 
+mod metrics;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1004,6 +1006,24 @@ fn replicas_share_bookings_lifecycle_and_sessions() {
             > 0
     );
 
+    let mut registry = prometheus_client::registry::Registry::default();
+    b.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
+    let applied = b
+        .core()
+        .replica_stats()
+        .applied
+        .load(std::sync::atomic::Ordering::Relaxed);
+    for line in [
+        format!("kv_select_replica_applied_total {applied}"),
+        r#"kv_select_replica_send_dropped_total{reason="queue_full"} 0"#.to_owned(),
+        r#"kv_select_replica_received_dropped_total{reason="unknown_partition"} 0"#.to_owned(),
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+    }
+    assert!(text.contains("kv_select_replica_sent_total "), "{text}");
+
     assert_eq!(a.core().replica_peers(), [format!("tcp://127.0.0.1:{pb}")]);
     rt.block_on(async {
         a.shutdown().await;
@@ -1254,4 +1274,187 @@ fn long_stores_are_applied_in_pieces_with_the_same_result() {
         (1, 0)
     );
     c.shutdown();
+}
+
+// ------------------------------------------------------------ policy classes
+
+fn policy_class(name: &str, threshold: u64) -> selection_policy::PolicyClass {
+    selection_policy::PolicyClass {
+        name: name.into(),
+        queue_policy: selection_policy::QueuePolicy::Fcfs,
+        quantum: 1,
+        prefill_busy_threshold: Some(threshold),
+        prefill_busy_threshold_frac: None,
+        request_queue_limit_per_worker: None,
+        raw_isl_token_queue_limit_per_worker: None,
+        cached_token_queue_limit_per_worker: None,
+    }
+}
+
+fn classes_core(defs: Vec<selection_policy::ClassDefinition>, default: &str) -> Arc<SelectionCore> {
+    let mut config = approx_config();
+    config.policy_classes =
+        Some(selection_policy::PolicyClasses::from_definitions(defs, Some(default)).unwrap());
+    let c = core(config);
+    assert!(c.queueing_enabled());
+    c.upsert_worker(WorkerRequest {
+        max_num_batched_tokens: Some(10_000),
+        ..worker(1)
+    })
+    .unwrap();
+    c
+}
+
+#[test]
+fn two_policy_classes_admit_and_reject_by_their_own_thresholds() {
+    let strict = selection_policy::ClassDefinition {
+        class: selection_policy::PolicyClass {
+            // A zero limit never queues: busy means rejected.
+            request_queue_limit_per_worker: Some(0),
+            ..policy_class("strict", 10)
+        },
+        rule: selection_policy::ClassRule {
+            families: vec!["chat".into()],
+            ..Default::default()
+        },
+    };
+    let lenient = selection_policy::ClassDefinition {
+        class: policy_class("lenient", 1000),
+        rule: selection_policy::ClassRule::default(),
+    };
+    let c = classes_core(vec![strict, lenient], "lenient");
+    let with_class = |id: &str, class: Option<&str>, n: u32| SelectRequest {
+        selection_id: Some(id.into()),
+        policy_class: class.map(str::to_owned),
+        ..select(tokens(n))
+    };
+    // Both classes admit while the rank is idle.
+    c.select_and_reserve(with_class("a", Some("strict"), 80))
+        .unwrap();
+    // 80 active prefill tokens: busy for "strict" (> 10), not for "lenient" (≤ 1000).
+    for class in ["strict", "chat"] {
+        let e = c
+            .select_and_reserve(with_class("x", Some(class), 8))
+            .unwrap_err();
+        assert_eq!(e.status_code(), 429, "{class}");
+        assert_eq!(
+            e.message(),
+            "router policy class \"strict\" queue requests limit reached (current=0, limit=0)"
+        );
+        let d = e.details().unwrap();
+        assert_eq!(
+            (
+                d.policy_class.as_str(),
+                d.limit_kind.as_str(),
+                d.current,
+                d.limit
+            ),
+            ("strict", "requests", 0, 0)
+        );
+    }
+    c.select_and_reserve(with_class("b", Some("lenient"), 8))
+        .unwrap();
+    // Unknown and absent names fall back to the default class.
+    c.select_and_reserve(with_class("c", Some("no-such-class"), 8))
+        .unwrap();
+    c.select_and_reserve(with_class("d", None, 8)).unwrap();
+    assert_eq!(c.loads(None, None)[0].pending_count, 0);
+}
+
+#[test]
+fn wspt_serves_the_request_with_more_cached_tokens_first() {
+    let wspt = selection_policy::ClassDefinition {
+        class: selection_policy::PolicyClass {
+            queue_policy: selection_policy::QueuePolicy::Wspt,
+            ..policy_class("w", 0)
+        },
+        rule: selection_policy::ClassRule::default(),
+    };
+    let c = classes_core(vec![wspt], "w");
+    let prompt = |range: std::ops::Range<u32>| PromptInput {
+        token_ids: Some(range.collect()),
+        ..PromptInput::default()
+    };
+    // Books 64 prefill tokens (busy: > 0) and, in approximate mode, records the blocks.
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("p".into()),
+        ..select(prompt(0..64))
+    })
+    .unwrap();
+    let spawn = |id: &'static str, p: PromptInput| {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || {
+            c.select_and_reserve(SelectRequest {
+                selection_id: Some(id.into()),
+                ..select(p)
+            })
+        })
+    };
+    let uncached = spawn("uncached", prompt(1000..1064));
+    wait_until("the first waiter", || {
+        c.loads(None, None)[0].pending_count == 1
+    });
+    // Arrives later but only 16 of its 80 tokens are uncached.
+    let cached = spawn("cached", prompt(0..80));
+    wait_until("the second waiter", || {
+        c.loads(None, None)[0].pending_count == 2
+    });
+    c.free_reservation("p").unwrap();
+    let first = cached.join().unwrap().unwrap();
+    assert_eq!(first.selection_id.as_deref(), Some("cached"));
+    assert_eq!(first.effective_prefill_tokens, 16);
+    // Its booking made the rank busy again: the other one still waits.
+    assert_eq!(c.loads(None, None)[0].pending_count, 1);
+    assert!(!uncached.is_finished());
+    c.free_reservation("cached").unwrap();
+    let second = uncached.join().unwrap().unwrap();
+    assert_eq!(second.selection_id.as_deref(), Some("uncached"));
+}
+
+#[test]
+fn overlap_is_looked_up_again_after_a_long_enough_wait() {
+    // `Some(ZERO)`: every queued request refreshes; `None`: never.
+    for (refresh, want_prefill) in [(Some(Duration::ZERO), 0), (None, 64)] {
+        let mut config = approx_config();
+        config.router.router_queue_threshold = Some(0.0);
+        config.overlap_refresh_after = refresh;
+        let c = core(config);
+        c.upsert_worker(WorkerRequest {
+            max_num_batched_tokens: Some(10_000),
+            ..worker(1)
+        })
+        .unwrap();
+        let prompt = |range: std::ops::Range<u32>| PromptInput {
+            token_ids: Some(range.collect()),
+            ..PromptInput::default()
+        };
+        c.select_and_reserve(SelectRequest {
+            selection_id: Some("busy".into()),
+            ..select(prompt(0..64))
+        })
+        .unwrap();
+        let waiter = {
+            let c = Arc::clone(&c);
+            std::thread::spawn(move || {
+                c.select_and_reserve(SelectRequest {
+                    selection_id: Some("w".into()),
+                    ..select(prompt(500..564))
+                })
+            })
+        };
+        wait_until("the waiter", || c.loads(None, None)[0].pending_count == 1);
+        // While it waits, the worker gets its prompt cached (approximate mode learns from
+        // this explicit booking, which adds no prefill load).
+        c.create_reservation(ReservationRequest {
+            selection_id: "learn".into(),
+            worker_id: Some(1),
+            dp_rank: Some(0),
+            prompt: prompt(500..564),
+            ..ReservationRequest::default()
+        })
+        .unwrap();
+        c.free_reservation("busy").unwrap();
+        let got = waiter.join().unwrap().unwrap();
+        assert_eq!(got.effective_prefill_tokens, want_prefill, "{refresh:?}");
+    }
 }

@@ -1,0 +1,191 @@
+//! The `/metrics` series as encoded by `prometheus-client`: request-path counters and the
+//! scrape-time collector (listener, index and ledger statistics).
+
+use std::time::{Duration, Instant};
+
+use kv_types::WorkerKey;
+use prometheus_client::registry::Registry;
+use service_builder::{
+    CoreConfig, DropReason, RejectedOperation, RejectionReason, ReservationRequest, SelectRequest,
+    WorkerRequest,
+};
+
+use super::{core, encode_stored_batch, free_port, hash_only, select, tokens, worker};
+
+fn encode(registry: &Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut text, registry).unwrap();
+    text
+}
+
+/// Asserts one exact sample line.
+fn has(text: &str, line: &str) {
+    assert!(
+        text.lines().any(|l| l == line),
+        "missing `{line}` in:\n{text}"
+    );
+}
+
+#[test]
+fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    publisher.bind(&endpoint).unwrap();
+    let c = core(CoreConfig {
+        rng_seed: Some(3),
+        ..CoreConfig::default()
+    });
+    c.upsert_worker(WorkerRequest {
+        kv_events_endpoint: Some(endpoint),
+        ..worker(2)
+    })
+    .unwrap();
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    let rank = WorkerKey::new(2, 0);
+    let stats = || {
+        c.listener_stats()
+            .into_iter()
+            .find(|(k, _)| *k == rank)
+            .map(|(_, s)| s)
+            .unwrap()
+    };
+    let applied = || {
+        stats()
+            .batches_applied
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+
+    // PUB/SUB joins late: republish one store until the listener applied it.
+    let prompt: Vec<u32> = (0..32).collect();
+    let payload = encode_stored_batch(&(1000..1008).collect::<Vec<_>>(), None, &prompt);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seq = 0u64;
+    while applied() == 0 {
+        assert!(Instant::now() < deadline, "the listener never applied");
+        publisher
+            .send_multipart([&b""[..], &seq.to_be_bytes()[..], &payload[..]], 0)
+            .unwrap();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Once subscribed, one two-frame message is one drop.
+    publisher
+        .send_multipart([&b""[..], &payload[..]], 0)
+        .unwrap();
+    while stats().dropped(DropReason::WrongFrameCount) == 0 {
+        assert!(Instant::now() < deadline, "the bad message never arrived");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    c.select(select(tokens(8))).unwrap();
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("m1".into()),
+        ..select(tokens(8))
+    })
+    .unwrap();
+    c.free_reservation("m1").unwrap();
+    let bad = hash_only(vec![1, 2], vec![1], Some(8));
+    assert_eq!(c.select(select(bad)).unwrap_err().status_code(), 400);
+    let unknown = ReservationRequest {
+        selection_id: "never-selected".into(),
+        ..ReservationRequest::default()
+    };
+    assert_eq!(
+        c.create_reservation(unknown).unwrap_err().status_code(),
+        404
+    );
+
+    let m = c.metrics();
+    assert_eq!((m.selections(), m.selection_errors()), (2, 1));
+    assert_eq!((m.bookings(), m.frees()), (1, 1));
+    assert_eq!(
+        m.rejections(RejectedOperation::Select, RejectionReason::BadRequest),
+        1
+    );
+
+    let text = encode(&registry);
+    has(&text, "# TYPE kv_select_selections_total counter");
+    has(&text, "kv_select_selections_total 2");
+    has(&text, "kv_select_selection_errors_total 1");
+    has(&text, "kv_select_bookings_total 1");
+    has(&text, "kv_select_frees_total 1");
+    has(&text, "kv_select_expired_reservations_total 0");
+    has(&text, "kv_select_reservations_rejected_total 0");
+    has(
+        &text,
+        r#"kv_select_rejections_total{operation="select",reason="bad_request"} 1"#,
+    );
+    has(
+        &text,
+        r#"kv_select_rejections_total{operation="reservation",reason="not_found"} 1"#,
+    );
+    has(
+        &text,
+        r#"kv_select_rejections_total{operation="select_and_reserve",reason="capacity"} 0"#,
+    );
+    has(
+        &text,
+        "# TYPE kv_select_selection_duration_seconds histogram",
+    );
+    has(
+        &text,
+        r#"kv_select_selection_duration_seconds_bucket{le="+Inf"} 3"#,
+    );
+    has(&text, "kv_select_selection_duration_seconds_count 3");
+    has(&text, "kv_select_active_reservations 0");
+    has(&text, "kv_select_pending_selections 0");
+    has(&text, "kv_select_session_bindings 0");
+    has(
+        &text,
+        r#"kv_select_kv_dropped_batches_total{worker_id="2",dp_rank="0",reason="wrong_frame_count"} 1"#,
+    );
+    has(
+        &text,
+        r#"kv_select_kv_dropped_batches_total{worker_id="2",dp_rank="0",reason="malformed_msgpack"} 0"#,
+    );
+    has(
+        &text,
+        &format!(
+            r#"kv_select_kv_batches_applied_total{{worker_id="2",dp_rank="0"}} {}"#,
+            applied()
+        ),
+    );
+    has(
+        &text,
+        &format!(
+            r#"kv_select_index_events_total{{model_name="default",routing_group="default",event_type="stored",status="ok"}} {}"#,
+            c.index_counters()[0].1.stored_ok
+        ),
+    );
+    has(
+        &text,
+        r#"kv_select_index_blocks{model_name="default",routing_group="default"} 8"#,
+    );
+    has(
+        &text,
+        r#"kv_select_index_memberships{model_name="default",routing_group="default",tier="device"} 8"#,
+    );
+    has(
+        &text,
+        r#"kv_select_index_memberships{model_name="default",routing_group="default",tier="disk"} 0"#,
+    );
+    // Replica series appear only with replica sync.
+    assert!(!text.contains("kv_select_replica_"), "{text}");
+    c.shutdown();
+}
+
+#[test]
+fn the_registry_does_not_keep_the_core_alive() {
+    let c = core(super::approx_config());
+    c.upsert_worker(worker(1)).unwrap();
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    assert!(encode(&registry).contains("kv_select_active_reservations 0"));
+    drop(c);
+    let text = encode(&registry);
+    // The request-path counters outlive the core; the scrape-time ones are gone.
+    assert!(text.contains("kv_select_selections_total 0"), "{text}");
+    assert!(!text.contains("kv_select_active_reservations"), "{text}");
+}
