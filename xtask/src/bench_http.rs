@@ -290,9 +290,9 @@ async fn load(
     })
 }
 
-type Sender = SendRequest<Full<Bytes>>;
+pub(crate) type Sender = SendRequest<Full<Bytes>>;
 
-async fn connect(addr: SocketAddr) -> Result<Sender> {
+pub(crate) async fn connect(addr: SocketAddr) -> Result<Sender> {
     let stream = tokio::net::TcpStream::connect(addr)
         .await
         .with_context(|| format!("connect {addr}"))?;
@@ -308,7 +308,7 @@ async fn connect(addr: SocketAddr) -> Result<Sender> {
 }
 
 /// One request; returns the status and the raw body.
-async fn send(
+pub(crate) async fn send(
     sender: &mut Sender,
     method: Method,
     path: &str,
@@ -327,7 +327,7 @@ async fn send(
     Ok((status, body))
 }
 
-async fn call(
+pub(crate) async fn call(
     sender: &mut Sender,
     method: Method,
     path: &str,
@@ -339,7 +339,7 @@ async fn call(
     Ok((status, value))
 }
 
-async fn call_json(
+pub(crate) async fn call_json(
     sender: &mut Sender,
     method: Method,
     path: &str,
@@ -377,10 +377,10 @@ fn print_results(results: &[RunResult]) {
 
 /// Deterministic token ids below a realistic vocabulary size.
 #[derive(Debug)]
-struct XorShift(u64);
+pub(crate) struct XorShift(pub(crate) u64);
 
 impl XorShift {
-    fn token(&mut self) -> u32 {
+    pub(crate) fn token(&mut self) -> u32 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -390,13 +390,30 @@ impl XorShift {
 
 /// The server child process; killed when dropped, so an error anywhere stops it.
 #[derive(Debug)]
-struct ServerProcess {
+pub(crate) struct ServerProcess {
     child: Child,
-    addr: SocketAddr,
+    pub(crate) addr: SocketAddr,
 }
 
 impl ServerProcess {
     fn start(binary: &std::path::Path) -> Result<Self> {
+        Self::start_with(
+            binary,
+            &[],
+            &[
+                ("DYN_ROUTER_USE_KV_EVENTS", "false"),
+                // Recorded prefixes must outlive every run.
+                ("DYN_ROUTER_TTL_SECS", "3600"),
+            ],
+        )
+    }
+
+    /// Starts `binary` on a free loopback port with extra flags and environment.
+    pub(crate) fn start_with(
+        binary: &std::path::Path,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Result<Self> {
         let port = StdListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .context("no free loopback port")?
@@ -404,9 +421,8 @@ impl ServerProcess {
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let child = Command::new(binary)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .env("DYN_ROUTER_USE_KV_EVENTS", "false")
-            // Recorded prefixes must outlive every run.
-            .env("DYN_ROUTER_TTL_SECS", "3600")
+            .args(args)
+            .envs(envs.iter().copied())
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -416,10 +432,7 @@ impl ServerProcess {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if StdStream::connect(addr).is_ok() {
-                eprintln!(
-                    "xtask bench http: server pid {} listening on {addr}",
-                    server.pid()
-                );
+                eprintln!("xtask: server pid {} listening on {addr}", server.pid());
                 return Ok(server);
             }
             if let Some(status) = server.child.try_wait()? {
@@ -432,13 +445,13 @@ impl ServerProcess {
         }
     }
 
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// User + system CPU time of the server so far, from `/proc/<pid>/stat` (fields 14 and
     /// 15, in clock ticks; 100 Hz on every Linux this runs on). `None` elsewhere.
-    fn cpu_time(&self) -> Option<Duration> {
+    pub(crate) fn cpu_time(&self) -> Option<Duration> {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
         // The command name (field 2) may contain spaces; the fields after it are plain.
         let rest = stat.get(stat.rfind(')')? + 2..)?;

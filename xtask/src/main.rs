@@ -4,6 +4,8 @@
 //! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
 //! - `bench http [--seconds N] [--connections a,b]`: load test of `POST /select` against the
 //!   release server on loopback (docs/hot-path.md).
+//! - `flood [pending|reservations|workers|events]...`: floods the release server and checks
+//!   that its memory stays bounded, printing peak RSS per scenario (docs/operations.md).
 //! - `replay --trace PATH [...]`: trace-driven routing-quality simulation of the selection
 //!   policies (docs/routing-quality.md).
 //!
@@ -16,6 +18,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 mod bench_http;
+mod flood;
 mod replay;
 #[cfg(test)]
 mod tidy;
@@ -42,14 +45,15 @@ fn run() -> Result<()> {
             a.extend(rest.iter().map(String::as_str));
             cargo(&a, &[])
         }
+        "flood" => flood::main(&rest),
         "replay" => replay::main(&rest),
         "" | "help" | "-h" | "--help" => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | replay --help>"
+                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | flood --help | replay --help>"
             );
             Ok(())
         }
-        other => bail!("unknown task {other:?}; expected ci, bench or replay"),
+        other => bail!("unknown task {other:?}; expected ci, bench, flood or replay"),
     }
 }
 

@@ -398,13 +398,27 @@ impl KvIndex {
         }
     }
 
-    /// The tiered query of §4.4 into `out`.
-    /// The device tree's root-aligned chain of engine hashes for `query` (at most
-    /// `max_len`), for KV-transfer hints. Lower tiers do not extend it.
+    /// The root-aligned chain of engine hashes for `query` (at most `max_len`) that a
+    /// KV-transfer hint names (`scheduling.md` §4.8): the device tree's walk, then extended
+    /// position by position with host_pinned continuations. Disk and external tiers do not
+    /// take part: a hint moves blocks a source can serve from memory.
     pub fn root_chain(&self, query: &[BlockHash], max_len: usize, out: &mut Vec<ExternalHash>) {
         self.primary.root_chain(query, max_len, out);
+        let Some(host) = &self.lower[0] else {
+            return;
+        };
+        let end = max_len.min(query.len());
+        let mut anchor = out.last().copied();
+        while out.len() < end {
+            let Some(child) = host.child(anchor, query[out.len()]) else {
+                break;
+            };
+            out.push(child);
+            anchor = Some(child);
+        }
     }
 
+    /// The tiered query of §4.4 into `out`.
     pub fn find_tiered(&self, query: &[BlockHash], out: &mut TieredMatches) {
         self.primary.find_matches(query, &mut out.device);
         out.hits.clear();

@@ -129,6 +129,15 @@ impl LowerTierIndex {
             .then_some(edge.child)
     }
 
+    /// The child reached from `anchor` by `local`, whoever owns the edge.
+    pub(crate) fn child(
+        &self,
+        anchor: Option<ExternalHash>,
+        local: BlockHash,
+    ) -> Option<ExternalHash> {
+        self.edges.get(&(anchor, local)).map(|e| e.child)
+    }
+
     /// Owners of the root edge `(none, local)`.
     pub(crate) fn root_owners(&self, local: BlockHash) -> &[WorkerKey] {
         self.edges

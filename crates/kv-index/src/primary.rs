@@ -512,10 +512,6 @@ impl PrefixIndex {
         keys.len()
     }
 
-    /// Prefix-overlap scores of `query` per worker key (§2.4), written into `out`.
-    ///
-    /// One walk down the trie; the set of still-matching workers is narrowed at every depth
-    /// and the walk stops as soon as it is empty.
     /// The engine hashes along the query's path from the root, as far as the tree has it
     /// (at most `max_len`): the root-aligned chain a KV-transfer hint names. Each node
     /// carries the external hash of the store that created it.
@@ -531,6 +527,10 @@ impl PrefixIndex {
         }
     }
 
+    /// Prefix-overlap scores of `query` per worker key (§2.4), written into `out`.
+    ///
+    /// One walk down the trie; the set of still-matching workers is narrowed at every depth
+    /// and the walk stops as soon as it is empty.
     pub fn find_matches(&self, query: &[BlockHash], out: &mut OverlapScores) {
         out.entries.clear();
         out.active.clear();

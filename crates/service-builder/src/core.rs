@@ -895,13 +895,22 @@ impl SelectionCore {
             return None;
         }
         let beat = scratch.hits.of(&workers, chosen).cpu();
+        // Owners whose prefix runs past the root-aligned chain cannot be named by it
+        // (§4.8 step 1 keeps only entries up to the chain's length).
+        let mut chain = Vec::new();
+        index.root_chain(&scratch.blocks, scratch.blocks.len(), &mut chain);
+        let reach = u32::try_from(chain.len()).unwrap_or(u32::MAX);
         // Rows are in key order, so a strictly longer prefix is needed to replace the best:
         // ties go to the smallest (worker, rank).
         let mut best: Option<(u32, &str)> = None;
         for row in workers.rows() {
             let h = scratch.hits.of(&workers, row.key);
             let prefix = h.cpu();
-            if h.worker == chosen || prefix <= beat || best.is_some_and(|(p, _)| prefix <= p) {
+            if h.worker == chosen
+                || prefix <= beat
+                || prefix > reach
+                || best.is_some_and(|(p, _)| prefix <= p)
+            {
                 continue;
             }
             let Some(w) = workers.get(&h.worker.worker_id.0) else {
@@ -923,16 +932,14 @@ impl SelectionCore {
             best = Some((prefix, endpoint.as_str()));
         }
         let (prefix, endpoint) = best?;
-        let prefix = prefix as usize;
-        let mut chain = Vec::with_capacity(prefix);
-        index.root_chain(&scratch.blocks, prefix, &mut chain);
-        if chain.len() < prefix || prefix == 0 {
+        chain.truncate(prefix as usize);
+        if chain.is_empty() {
             return None;
         }
         Some(crate::KvHint {
             message_id: id.to_owned(),
             source_control_endpoint: endpoint.to_owned(),
-            block_hashes: chain.iter().map(|h| h.0).collect(),
+            block_hashes: chain.into_iter().map(|h| h.0).collect(),
         })
     }
 

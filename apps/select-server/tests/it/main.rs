@@ -3,7 +3,9 @@
 
 mod auth;
 mod binary;
+mod bounds;
 mod fake;
+mod faults;
 mod http;
 mod mesh;
 mod routes;

@@ -112,6 +112,10 @@ impl Replica {
             .sum()
     }
 
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL: no shutdown path runs, peers just lose the connection.
     pub(crate) fn kill(mut self) {
         self.child.kill().unwrap();

@@ -1237,6 +1237,54 @@ fn bookings_carry_a_kv_hint_to_a_longer_cached_prefix() {
 }
 
 #[test]
+fn kv_hint_chains_continue_through_host_pinned_blocks() {
+    let c = core(CoreConfig {
+        rng_seed: Some(5),
+        ..CoreConfig::default()
+    });
+    c.upsert_worker(hint_worker(1, None, None)).unwrap();
+    c.upsert_worker(hint_worker(2, Some("tcp://10.0.0.2:5600"), None))
+        .unwrap();
+    let prompt: Vec<u32> = (0..32).collect();
+    // Worker 2: blocks 0..2 on the GPU, 2..6 offloaded to host memory after them.
+    let device = store(&c, 2, &prompt[..2 * BLOCK as usize], 700);
+    let mut hashes = Vec::new();
+    kv_types::block_hashes_into(&prompt, BLOCK, &HashOptions::default(), &mut hashes);
+    let host: Vec<kv_types::StoredBlock> = (2..6)
+        .map(|i| kv_types::StoredBlock::new(kv_types::ExternalHash(800 + i as u64), hashes[i]))
+        .collect();
+    c.apply_events(
+        &PartitionKey::default(),
+        &[kv_types::KvOperation {
+            worker: WorkerKey::new(2, 0),
+            tier: kv_types::StorageTier::HostPinned,
+            event_id: 2,
+            kind: kv_types::KvOperationKind::Stored {
+                parent_hash: Some(kv_types::ExternalHash(device[1])),
+                blocks: host,
+            },
+        }],
+    );
+    let booked = c
+        .select_and_reserve(SelectRequest {
+            selection_id: Some("h".into()),
+            pinned_worker: Some(WorkerKey::new(1, 0)),
+            prompt: PromptInput {
+                token_ids: Some(prompt.clone()),
+                ..PromptInput::default()
+            },
+            ..SelectRequest::default()
+        })
+        .unwrap();
+    let hint = booked
+        .kv_hint
+        .expect("worker 2 holds six blocks across device and host memory");
+    assert_eq!(hint.source_control_endpoint, "tcp://10.0.0.2:5600");
+    assert_eq!(hint.block_hashes, vec![700, 701, 802, 803, 804, 805]);
+    c.shutdown();
+}
+
+#[test]
 fn prompts_over_the_token_limit_are_rejected_before_hashing() {
     let c = core(CoreConfig {
         max_prompt_tokens: 64,
