@@ -185,5 +185,39 @@ fn service(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, service);
+/// Catalog scalability: registering and removing one more worker in a partition that
+/// already holds 1,000 or 10,000 (approximate mode, so no listener is started).
+fn register(c: &mut Criterion) {
+    let mut group = c.benchmark_group("service/register_and_delete");
+    for workers in [1_000u64, 10_000] {
+        let core = SelectionCore::try_new_local(
+            CoreConfig {
+                router: RouterConfig {
+                    use_kv_events: false,
+                    ..RouterConfig::default()
+                },
+                ..CoreConfig::default()
+            },
+            None,
+        )
+        .expect("valid config");
+        let record = |w: u64| WorkerRequest {
+            endpoint: Some(format!("http://w{w}")),
+            block_size: Some(BLOCK),
+            ..WorkerRequest::new(w)
+        };
+        for w in 0..workers {
+            core.upsert_worker(record(w)).expect("worker registers");
+        }
+        group.bench_function(BenchmarkId::from_parameter(workers), |b| {
+            b.iter(|| {
+                core.upsert_worker(record(workers)).expect("registers");
+                core.delete_worker(workers).expect("deletes")
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, service, register);
 criterion_main!(benches);

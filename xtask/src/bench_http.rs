@@ -56,10 +56,15 @@ struct Args {
     /// Record a `perf record -g` profile of the server during the last run into this file.
     #[arg(long, value_name = "PATH")]
     perf: Option<PathBuf>,
+    /// Drive the load from this (debug) build of the xtask instead of rerunning it as a
+    /// release build first.
+    #[arg(long)]
+    debug_client: bool,
 }
 
 /// Entry point of `cargo xtask bench http ARGS`.
 pub(crate) fn main(args: &[String]) -> Result<()> {
+    let args_as_given = args;
     let args =
         Args::try_parse_from(std::iter::once("bench http").chain(args.iter().map(String::as_str)))
             .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -68,6 +73,14 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         !args.connections.is_empty() && args.connections.iter().all(|&c| c > 0),
         "--connections must list positive counts"
     );
+    if cfg!(debug_assertions) && !args.debug_client {
+        // `cargo xtask` builds the xtask with opt-level 1 dependencies; a load generator
+        // built that way spends several times the CPU of a release one per request, and on
+        // two shared cores that CPU is taken from the server. Rerun as a release build.
+        let mut rerun = vec!["run", "--release", "-p", "xtask", "--", "bench", "http"];
+        rerun.extend(args_as_given.iter().map(String::as_str));
+        return crate::cargo(&rerun, &[]);
+    }
     let binary = match &args.binary {
         Some(path) => path.clone(),
         None => {

@@ -6,6 +6,8 @@
 //!   release server on loopback (docs/hot-path.md).
 //! - `flood [pending|reservations|workers|events]...`: floods the release server and checks
 //!   that its memory stays bounded, printing peak RSS per scenario (docs/operations.md).
+//! - `loom`: the loom models of the index, ledger and admission protocols, with `--cfg loom`
+//!   in `target/loom` (docs/architecture.md, "Concurrency checking").
 //! - `replay --trace PATH [...]`: trace-driven routing-quality simulation of the selection
 //!   policies (docs/routing-quality.md).
 //!
@@ -19,6 +21,7 @@ use anyhow::{Context, Result, bail};
 
 mod bench_http;
 mod flood;
+mod loom;
 mod replay;
 #[cfg(test)]
 mod tidy;
@@ -46,14 +49,15 @@ fn run() -> Result<()> {
             cargo(&a, &[])
         }
         "flood" => flood::main(&rest),
+        "loom" => loom::main(&rest),
         "replay" => replay::main(&rest),
         "" | "help" | "-h" | "--help" => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | flood --help | replay --help>"
+                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | flood --help | loom | replay --help>"
             );
             Ok(())
         }
-        other => bail!("unknown task {other:?}; expected ci, bench, flood or replay"),
+        other => bail!("unknown task {other:?}; expected ci, bench, flood, loom or replay"),
     }
 }
 

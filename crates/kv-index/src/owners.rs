@@ -6,8 +6,11 @@
 
 /// Sorted, duplicate-free set of worker slot ids.
 ///
-/// Representation invariants: `Heap` holds more than [`INLINE`] slots, and the unused
-/// lanes of `Inline` are 0, so [`Owners::same`] compares two inline sets as plain arrays.
+/// Representation invariants: `Heap` holds at least [`INLINE`] slots (a set grows to the
+/// heap past [`INLINE`] and returns inline below it, so a node whose owner count swings
+/// between three and four does not allocate and free at every swing), and the unused
+/// lanes of `Inline` are 0, so [`Owners::same`] compares two inline sets as plain arrays
+/// (a mixed pair is compared as slices).
 #[derive(Clone, Debug)]
 pub(crate) enum Owners {
     Inline {
@@ -78,7 +81,38 @@ impl Owners {
     }
 
     /// Inserts `slot`; returns whether it was new.
+    #[inline]
     pub(crate) fn insert(&mut self, slot: u32) -> bool {
+        if let Owners::Inline { len, ids } = self {
+            let n = usize::from(*len);
+            if n < INLINE {
+                // At most two compares: cheaper than a generic binary search, and the
+                // single-owner node (most of a real tree) is the common case.
+                let mut pos = n;
+                for (i, &id) in ids[..n].iter().enumerate() {
+                    if id >= slot {
+                        if id == slot {
+                            return false;
+                        }
+                        pos = i;
+                        break;
+                    }
+                }
+                // Element moves, not `copy_within`: that is a `memmove` call even for
+                // zero or one lane.
+                for i in (pos..n).rev() {
+                    ids[i + 1] = ids[i];
+                }
+                ids[pos] = slot;
+                *len += 1;
+                return true;
+            }
+        }
+        self.insert_slow(slot)
+    }
+
+    /// [`Owners::insert`] into a full inline set or a heap set.
+    fn insert_slow(&mut self, slot: u32) -> bool {
         let pos = match self.as_slice().binary_search(&slot) {
             Ok(_) => return false,
             Err(pos) => pos,
@@ -103,7 +137,25 @@ impl Owners {
     }
 
     /// Removes `slot`; returns whether it was present.
+    #[inline]
     pub(crate) fn remove(&mut self, slot: u32) -> bool {
+        if let Owners::Inline { len, ids } = self {
+            let n = usize::from(*len);
+            let Some(pos) = ids[..n].iter().position(|&id| id == slot) else {
+                return false;
+            };
+            for i in pos..n - 1 {
+                ids[i] = ids[i + 1];
+            }
+            ids[n - 1] = 0;
+            *len -= 1;
+            return true;
+        }
+        self.remove_slow(slot)
+    }
+
+    /// [`Owners::remove`] from a heap set.
+    fn remove_slow(&mut self, slot: u32) -> bool {
         let Ok(pos) = self.as_slice().binary_search(&slot) else {
             return false;
         };
@@ -116,7 +168,7 @@ impl Owners {
             }
             Owners::Heap(v) => {
                 v.remove(pos);
-                if v.len() <= INLINE {
+                if v.len() < INLINE {
                     let mut ids = [0; INLINE];
                     ids[..v.len()].copy_from_slice(v);
                     // len <= INLINE = 3 always fits a u8.
@@ -160,7 +212,10 @@ mod tests {
             if let Owners::Inline { len, ids } = &o {
                 assert!(ids[usize::from(*len)..].iter().all(|&x| x == 0));
             }
-            assert_eq!(matches!(o, Owners::Heap(_)), o.len() > INLINE);
+            match &o {
+                Owners::Heap(_) => assert!(o.len() >= INLINE),
+                Owners::Inline { .. } => assert!(o.len() <= INLINE),
+            }
             let copy = o.clone();
             assert!(o.same(&copy));
             let mut other = o.clone();

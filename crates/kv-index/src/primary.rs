@@ -53,6 +53,26 @@ impl Node {
     }
 }
 
+/// Bits cleared by the current apply call's one-slot owner changes, each restorable when
+/// the other side of its pair gets the same change (see `PrefixIndex::owners_changed`).
+/// Reset at the start of every apply call and whenever a node is freed.
+#[derive(Clone, Copy, Debug)]
+struct Memo {
+    /// `(node, first child)`: `node` changed while equal to its first child.
+    own: (u32, u32),
+    /// `(parent, node)`: the first child `node` changed while equal to `parent`.
+    up: (u32, u32),
+}
+
+impl Default for Memo {
+    fn default() -> Self {
+        Memo {
+            own: (NONE, NONE),
+            up: (NONE, NONE),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct WorkerState {
     key: WorkerKey,
@@ -291,6 +311,7 @@ pub struct PrefixIndex {
     memberships: usize,
     /// Reused buffer of `apply_removed`.
     scratch: Vec<u32>,
+    memo: Memo,
 }
 
 impl Default for PrefixIndex {
@@ -311,6 +332,7 @@ impl PrefixIndex {
             live_nodes: 0,
             memberships: 0,
             scratch: Vec::new(),
+            memo: Memo::default(),
         }
     }
 
@@ -358,6 +380,7 @@ impl PrefixIndex {
         if blocks.is_empty() {
             return StoreOutcome::Empty;
         }
+        self.memo = Memo::default();
         let start = match parent_hash {
             None => ROOT,
             Some(parent) => {
@@ -377,23 +400,23 @@ impl PrefixIndex {
         };
         let slot = self.slot_for(worker);
         let mut changed = false;
+        let mut gained = 0u32;
         let mut cur = start;
         for block in blocks {
             let child = match self.child(cur, block.tokens_hash.0) {
-                Some(c) => c,
+                Some(c) => {
+                    if self.nodes[c as usize].owners.insert(slot) {
+                        gained += 1;
+                        self.owners_changed(c);
+                    }
+                    c
+                }
                 None => {
-                    changed = true;
-                    self.alloc_node(cur, block.tokens_hash.0, block.block_hash.0)
+                    // Created owned: no owner-set change to propagate.
+                    gained += 1;
+                    self.alloc_node(cur, block.tokens_hash.0, block.block_hash.0, slot)
                 }
             };
-            if self.nodes[child as usize].owners.insert(slot) {
-                changed = true;
-                self.memberships += 1;
-                if let Some(state) = self.workers[slot as usize].as_mut() {
-                    state.owned += 1;
-                }
-                self.owners_changed(child);
-            }
             let nodes = &self.nodes;
             let previous = self.workers[slot as usize]
                 .as_mut()
@@ -407,6 +430,13 @@ impl PrefixIndex {
                 }
             }
             cur = child;
+        }
+        if gained > 0 {
+            changed = true;
+            self.memberships += gained as usize;
+            if let Some(state) = self.workers[slot as usize].as_mut() {
+                state.owned += gained;
+            }
         }
         if changed {
             StoreOutcome::Applied
@@ -432,6 +462,7 @@ impl PrefixIndex {
         // to prune, so the order of effects is that of one pass.
         let mut found = std::mem::take(&mut self.scratch);
         found.clear();
+        self.memo = Memo::default();
         for &hash in hashes {
             match state.remove(&self.nodes, hash) {
                 Some(node) => found.push(node),
@@ -440,8 +471,10 @@ impl PrefixIndex {
         }
         if state.blocks.is_empty() {
             // Resets the tombstones the removes left, which would otherwise cost an
-            // in-place rehash (reading every entry's node) on the next fill.
-            state.blocks.clear();
+            // in-place rehash (reading every entry's node) on the next fill. Not `clear`:
+            // hashbrown's `clear` returns early on an empty table, tombstones and all; a
+            // dropped `drain` always resets the control bytes.
+            drop(state.blocks.drain());
         }
         out.removed = found.len() as u32;
         let mut lost = 0;
@@ -471,6 +504,7 @@ impl PrefixIndex {
         let Some(state) = self.workers[slot as usize].take() else {
             return false;
         };
+        self.memo = Memo::default();
         let mut owned = state.owned;
         for node in state.blocks.into_iter().chain(state.foreign.into_values()) {
             let n = &mut self.nodes[node as usize];
@@ -548,20 +582,34 @@ impl PrefixIndex {
         }
         let mut depth: u32 = 1;
         // Invariant: `active` is non-empty and a subset of `node`'s owner set.
-        for h in &query[1..] {
-            let n = &nodes[node as usize];
-            let fc = n.first_child;
+        let mut i = 1;
+        while i < query.len() {
             // A chain stored by one event sits at consecutive ids. Reading the guessed
             // successor by its id (not through `first_child`) gives the CPU an address
             // that does not wait for this node's load, so the walk streams through the
-            // slab instead of paying one memory latency per block.
-            let guess = node.wrapping_add(1);
-            let guessed_local = nodes.get(guess as usize).map_or(!h.0, |g| g.local);
-            if fc == guess && n.kids & FC_SAME != 0 && guessed_local == h.0 {
-                node = guess;
-                depth += 1;
-                continue;
+            // slab instead of paying one memory latency per block. Along such a run with
+            // one owner set, `active` is unchanged; iterators keep the run free of bounds
+            // checks.
+            let run = &nodes[node as usize..];
+            let mut steps = 0u32;
+            for ((n, g), h) in run.iter().zip(&run[1..]).zip(&query[i..]) {
+                if n.first_child != node.wrapping_add(steps + 1)
+                    || n.kids & FC_SAME == 0
+                    || g.local != h.0
+                {
+                    break;
+                }
+                steps += 1;
             }
+            node += steps;
+            depth += steps;
+            i += steps as usize;
+            let Some(h) = query.get(i) else {
+                break;
+            };
+            i += 1;
+            let n = &nodes[node as usize];
+            let fc = n.first_child;
             let next = if fc != NONE && nodes[fc as usize].local == h.0 {
                 if n.kids & FC_SAME != 0 {
                     // Same owner set as `node`, so `active` is unchanged.
@@ -725,8 +773,10 @@ impl PrefixIndex {
         }
     }
 
-    fn alloc_node(&mut self, parent: u32, local: u64, external: u64) -> u32 {
-        let node = Node::new(parent, local, external);
+    /// A new leaf under `parent`, owned by `slot` alone.
+    fn alloc_node(&mut self, parent: u32, local: u64, external: u64, slot: u32) -> u32 {
+        let mut node = Node::new(parent, local, external);
+        node.owners.insert(slot);
         let id = match self.free_nodes.pop() {
             Some(id) => {
                 self.nodes[id as usize] = node;
@@ -738,12 +788,17 @@ impl PrefixIndex {
                 (self.nodes.len() - 1) as u32
             }
         };
-        let p = &mut self.nodes[parent as usize];
+        let (p, c) = if (parent as usize) < (id as usize) {
+            let (a, b) = self.nodes.split_at_mut(id as usize);
+            (&mut a[parent as usize], &b[0])
+        } else {
+            let (a, b) = self.nodes.split_at_mut(parent as usize);
+            (&mut b[0], &a[id as usize])
+        };
         p.kids += 1;
         if p.first_child == NONE {
             p.first_child = id;
-            // The new child's owner set is empty.
-            if p.owners.is_empty() {
+            if p.owners.same(&c.owners) {
                 p.kids |= FC_SAME;
             } else {
                 p.kids &= KIDS;
@@ -756,6 +811,7 @@ impl PrefixIndex {
     }
 
     /// Recomputes the [`FC_SAME`] bit of `node`.
+    #[inline]
     fn refresh_same(&mut self, node: u32) {
         let n = &self.nodes[node as usize];
         let same =
@@ -765,29 +821,73 @@ impl PrefixIndex {
     }
 
     /// Keeps the [`FC_SAME`] bits that compare `node`'s owner set exact after it changed.
+    ///
+    /// Every change within one apply call is the same one-slot delta (one worker's slot,
+    /// added by a store, removed by a remove), and the same delta applied to two equal
+    /// sets keeps them equal. So a bit cleared because one side of a pair changed is set
+    /// again, without reading either set, when the other side changes next ([`Memo`]):
+    /// along a chain that one worker joins or leaves, no owner set is compared (for a
+    /// shared prefix, two 512-byte heap vectors per block).
+    #[inline]
     fn owners_changed(&mut self, node: u32) {
+        let (own_memo, up_memo) = (self.memo.own, self.memo.up);
         let n = &mut self.nodes[node as usize];
+        let fc = n.first_child;
         if n.kids & FC_SAME != 0 {
             // Equal before a one-slot change means different now: no need to read the
             // child (a cache miss in the apply loops).
             n.kids &= KIDS;
-        } else if n.first_child != NONE {
-            self.refresh_same(node);
+            self.memo.own = (node, fc);
+        } else if fc != NONE {
+            if up_memo == (node, fc) {
+                n.kids |= FC_SAME;
+                self.memo.up = (NONE, NONE);
+            } else {
+                self.refresh_same(node);
+            }
         }
         let parent = self.nodes[node as usize].parent;
-        if parent != NONE && self.nodes[parent as usize].first_child == node {
+        if parent == NONE {
+            return;
+        }
+        let p = &mut self.nodes[parent as usize];
+        if p.first_child != node {
+            return;
+        }
+        if p.kids & FC_SAME != 0 {
+            p.kids &= KIDS;
+            self.memo.up = (parent, node);
+        } else if own_memo == (parent, node) {
+            p.kids |= FC_SAME;
+            self.memo.own = (NONE, NONE);
+        } else {
             self.refresh_same(parent);
         }
     }
 
     /// Frees `node` and then its ancestors while they have no owners, no map references
     /// and no children.
-    fn prune(&mut self, mut node: u32) {
-        while node != ROOT {
-            let n = &self.nodes[node as usize];
-            if n.parent == NONE || !n.owners.is_empty() || n.refs > 0 || n.kids & KIDS > 0 {
+    #[inline]
+    fn prune(&mut self, node: u32) {
+        if self.prunable(node) {
+            self.prune_from(node);
+        }
+    }
+
+    #[inline]
+    fn prunable(&self, node: u32) -> bool {
+        let n = &self.nodes[node as usize];
+        node != ROOT && n.parent != NONE && n.refs == 0 && n.kids & KIDS == 0 && n.owners.is_empty()
+    }
+
+    fn prune_from(&mut self, mut node: u32) {
+        // A freed id may be reused by a later allocation: no memo may name it.
+        self.memo = Memo::default();
+        loop {
+            if !self.prunable(node) {
                 return;
             }
+            let n = &self.nodes[node as usize];
             let (parent, local) = (n.parent, n.local);
             let p = &mut self.nodes[parent as usize];
             p.kids -= 1;
@@ -915,6 +1015,33 @@ mod tests {
             );
         }
         assert!(idx.allocated_bytes() > 0);
+    }
+
+    #[test]
+    fn chain_joined_and_left_in_either_order_keeps_same_bits_exact() {
+        let mut idx = PrefixIndex::new();
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let chain: Vec<(u64, u64)> = (1..=6).map(|i| (i, 10 + i)).collect();
+        idx.apply_stored(a, None, &blocks(&chain));
+        let root_first: Vec<ExternalHash> = (1..=6).map(|i| ExternalHash(10 + i)).collect();
+        let leaf_first: Vec<ExternalHash> = root_first.iter().rev().copied().collect();
+        let mut out = OverlapScores::new();
+        for order in [&root_first, &leaf_first] {
+            // `b` joins the whole chain, then a prefix, then leaves in `order`.
+            idx.apply_stored(b, None, &blocks(&chain));
+            idx.check_invariants();
+            idx.apply_removed(b, &order[..2]);
+            idx.check_invariants();
+            idx.apply_removed(b, order);
+            idx.check_invariants();
+            idx.apply_stored(b, None, &blocks(&chain[..3]));
+            idx.check_invariants();
+            idx.find_matches(&q(&[1, 2, 3, 4, 5, 6]), &mut out);
+            assert_eq!((out.score(a), out.score(b)), (6, 3));
+            idx.apply_removed(b, order);
+            idx.check_invariants();
+        }
+        assert_eq!(idx.stats().memberships, 6);
     }
 
     #[test]

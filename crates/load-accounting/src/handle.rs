@@ -3,11 +3,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
-
 use crate::ledger::{
     BookRequest, BookingSeq, Freed, Ledger, LedgerError, ReservationId, SlotPolicy,
 };
+use crate::sync::Mutex;
 
 /// A ledger shared between the selector, the lifecycle routes and load handles.
 pub type SharedLedger = Arc<Mutex<Ledger>>;

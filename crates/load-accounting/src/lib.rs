@@ -39,6 +39,7 @@ mod busy;
 mod handle;
 mod ledger;
 mod rank;
+mod sync;
 
 pub use busy::{DEFAULT_PREFILL_TOKEN_CAPACITY, PrefillBusyThreshold, decode_busy};
 pub use handle::{LoadHandle, SharedLedger};

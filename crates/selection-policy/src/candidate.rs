@@ -91,6 +91,11 @@ impl Candidate {
 /// `exp(−tanh(sum))`: the preferred-taint multiplier for the summed weights of the preferred
 /// taints a worker has (bounded to `[e⁻¹, e]`).
 pub fn preferred_taint_multiplier(matching_weight_sum: f32) -> f64 {
+    // The service calls this for every candidate of every selection and nearly all match no
+    // preferred taint: skip the two libm calls then (exp(−tanh(±0)) is exactly 1).
+    if matching_weight_sum == 0.0 {
+        return 1.0;
+    }
     (-f64::from(matching_weight_sum).tanh()).exp()
 }
 
@@ -261,6 +266,15 @@ mod tests {
     #[test]
     fn taint_multiplier_bounds() {
         assert_eq!(preferred_taint_multiplier(0.0), 1.0);
+        assert_eq!(preferred_taint_multiplier(-0.0), 1.0);
+        for w in [1e-30_f32, -1e-30, 0.3, -2.5] {
+            let want = (-f64::from(w).tanh()).exp();
+            assert_eq!(
+                preferred_taint_multiplier(w).to_bits(),
+                want.to_bits(),
+                "{w}"
+            );
+        }
         let lo = preferred_taint_multiplier(1e9);
         let hi = preferred_taint_multiplier(-1e9);
         assert!((lo - (-1f64).exp()).abs() < 1e-12 && (hi - 1f64.exp()).abs() < 1e-12);

@@ -3,6 +3,7 @@
 
 use crate::candidate::{Candidate, PoolLabel, SelectionContext, cached_tokens};
 use crate::config::RouterConfig;
+use crate::exp::exp;
 use crate::policy::{Picker, PolicyError, Scorer};
 use crate::rng::PickRng;
 
@@ -52,6 +53,51 @@ impl Scorer for DefaultScorer {
         let isl = ctx.isl;
         let decode_exception = self.pool == PoolLabel::Decode && !track && credit > 0.0;
         let decay_on = track && self.decay != 0.0;
+        let apply_taint = ctx.pinned.is_none();
+        if track && !decay_on && !decode_exception {
+            let tracked = Tracked {
+                credit,
+                scale,
+                shared_mult,
+                has_tier_data: ctx.has_tier_data,
+                apply_taint,
+                isl,
+                cached_above: cached_above(isl),
+                block_size: ctx.block_size,
+                block,
+                inv_block: 1.0 / block,
+            };
+            // Dividing by a power of two and multiplying by its reciprocal are both exact.
+            if ctx.block_size.max(1).is_power_of_two() {
+                self.score_tracked::<true>(&tracked, candidates, costs);
+            } else {
+                self.score_tracked::<false>(&tracked, candidates, costs);
+            }
+            return Ok(());
+        }
+        self.score_general(ctx, candidates, costs);
+        Ok(())
+    }
+}
+
+impl DefaultScorer {
+    /// The cost of §4.3 for every configuration, one row at a time as the spec writes it.
+    fn score_general(
+        &self,
+        ctx: &SelectionContext<'_>,
+        candidates: &[Candidate],
+        costs: &mut [f64],
+    ) {
+        let o = &ctx.overrides;
+        let credit = o.overlap_score_credit.unwrap_or(self.credit);
+        let scale = o.prefill_load_scale.unwrap_or(self.scale);
+        let shared_mult = o.shared_cache_multiplier.unwrap_or(self.shared_mult);
+        let track = ctx.track_prefill_tokens;
+        let block = f64::from(ctx.block_size.max(1));
+        let isl = ctx.isl;
+        let decode_exception = self.pool == PoolLabel::Decode && !track && credit > 0.0;
+        let decay_on = track && self.decay != 0.0;
+        let apply_taint = ctx.pinned.is_none();
         // Only needed for the decay factor; skipped otherwise (one pass less).
         let min_active = if decay_on {
             candidates
@@ -63,7 +109,6 @@ impl Scorer for DefaultScorer {
             0
         };
         let decay_per_excess = self.decay / (ctx.request_blocks().max(1) as f64 * block);
-        let apply_taint = ctx.pinned.is_none();
 
         for (c, out) in candidates.iter().zip(costs.iter_mut()) {
             let cache = &c.cache;
@@ -114,8 +159,109 @@ impl Scorer for DefaultScorer {
             }
             *out = cost;
         }
-        Ok(())
     }
+}
+
+/// Per-request constants of the default configuration (prefill tracked, no credit decay,
+/// no decode-label exception).
+struct Tracked {
+    credit: f64,
+    scale: f64,
+    shared_mult: f64,
+    has_tier_data: bool,
+    apply_taint: bool,
+    isl: u64,
+    /// `cached_tokens(e, B) > isl` exactly when `e·B ≥ cached_above`.
+    cached_above: f64,
+    block_size: u32,
+    block: f64,
+    inv_block: f64,
+}
+
+impl DefaultScorer {
+    /// The cost of §4.3 for the common configuration, bit for bit what `score_general`
+    /// computes with `decay_factor = 1` (tested), but with the configuration
+    /// branches hoisted and `cached_tokens` (a float-to-integer round trip) evaluated only
+    /// when it can exceed `isl`: below that, `active + isl − min(isl, cached) + cached` is
+    /// `active + isl`.
+    #[inline(always)]
+    fn score_tracked<const POW2_BLOCK: bool>(
+        &self,
+        t: &Tracked,
+        candidates: &[Candidate],
+        costs: &mut [f64],
+    ) {
+        for (c, out) in candidates.iter().zip(costs.iter_mut()) {
+            let cache = &c.cache;
+            let lower = self.w_host * f64::from(cache.host_blocks)
+                + self.w_disk * f64::from(cache.disk_blocks);
+            let device = f64::from(cache.device_blocks);
+            let device_blocks = if t.has_tier_data {
+                device
+            } else {
+                device + lower
+            };
+            let credit_blocks = t.credit * device_blocks
+                + lower
+                + t.shared_mult * f64::from(cache.shared_beyond_blocks);
+            let (raw_tokens, decode_blocks, request_cost) = match c.load {
+                None => (t.isl, 0.0, 0.0),
+                Some(l) => {
+                    let overlap = device + lower;
+                    let raw = if overlap * f64::from(t.block_size) >= t.cached_above {
+                        let cached = cached_tokens(overlap, t.block_size);
+                        l.active_prefill_tokens + t.isl - t.isl.min(cached) + cached
+                    } else {
+                        l.active_prefill_tokens + t.isl
+                    };
+                    (
+                        raw,
+                        u64_to_f64(l.potential_decode_blocks),
+                        self.w_req * u64_to_f64(l.active_requests),
+                    )
+                }
+            };
+            let raw_blocks = if POW2_BLOCK {
+                u64_to_f64(raw_tokens) * t.inv_block
+            } else {
+                u64_to_f64(raw_tokens) / t.block
+            };
+            let adjusted = (raw_blocks - credit_blocks).max(0.0);
+            let mut cost = t.scale * adjusted + decode_blocks + request_cost;
+            if t.apply_taint {
+                cost *= c.preferred_taint_multiplier;
+            }
+            *out = cost;
+        }
+    }
+}
+
+/// The smallest `effective_overlap_blocks · B` whose rounding exceeds `isl`: `isl + 0.5`
+/// (exact below 2^52; beyond, every row takes the exact path).
+fn cached_above(isl: u64) -> f64 {
+    if isl < 1 << 52 {
+        u64_to_f64(isl) + 0.5
+    } else {
+        f64::NEG_INFINITY
+    }
+}
+
+/// `x as f64`. Values below 2^63 take the signed conversion, one instruction on baseline
+/// x86-64 where the unsigned one is a six-instruction sequence; both round to nearest, so
+/// the result is identical. The rest go through a function LLVM does not inline: with both
+/// conversions in one function it folds the pair back into the unsigned sequence.
+#[inline(always)]
+fn u64_to_f64(x: u64) -> f64 {
+    match i64::try_from(x) {
+        Ok(v) => v as f64,
+        Err(_) => u64_to_f64_cold(x),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn u64_to_f64_cold(x: u64) -> f64 {
+    x as f64
 }
 
 /// Minimum cost at temperature 0 (uniform random tie-break), softmax sampling over
@@ -155,30 +301,41 @@ pub fn pick_with_temperature(costs: &[f64], temperature: f64, rng: &mut PickRng)
     match Softmax::new(costs, temperature) {
         None => Some(pick_min(costs, rng)),
         Some(Softmax::Uniform) => Some(rng.below(costs.len() as u64) as usize),
-        Some(s) => {
-            // One `exp` per row: weights go to a per-thread buffer that outlives the call,
-            // so steady-state picking allocates nothing. `cumsum(w/total) >= u` is compared
-            // as `cumsum(w) >= u·total` (no division per row).
-            WEIGHTS.with_borrow_mut(|weights| {
-                weights.clear();
-                weights.extend(costs.iter().map(|&c| s.weight(c)));
-                let total: f64 = weights.iter().sum();
-                let target = rng.next_f64() * total;
-                let mut cumulative = 0.0;
-                for (i, &w) in weights.iter().enumerate() {
-                    cumulative += w;
-                    if cumulative >= target {
-                        return Some(i);
-                    }
+        Some(Softmax::Scaled(s)) => {
+            // One pass computes each weight once and stores the running sums in a per-thread
+            // buffer that outlives the call (steady-state picking allocates nothing); the
+            // last one is the total. `cumsum(w/total) >= u` is compared as
+            // `cumsum(w) >= u·total` (no division per row), and since weights are
+            // non-negative the running sums are sorted, so "the first row whose running sum
+            // reaches the target" is a binary search.
+            CUMULATIVE.with_borrow_mut(|buffer| {
+                if buffer.len() < costs.len() {
+                    buffer.resize(costs.len(), 0.0);
                 }
-                Some(costs.len() - 1)
+                let cumulative = &mut buffer[..costs.len()];
+                // A plain local loop keeps the running sum in a register (an `extend` with a
+                // capturing closure kept it in memory: a store-to-load chain per row).
+                let mut total = 0.0;
+                for (sum, &c) in cumulative.iter_mut().zip(costs) {
+                    total += s.weight(c);
+                    *sum = total;
+                }
+                let target = rng.next_f64() * total;
+                if target.is_nan() {
+                    // Only a NaN cost gets here; no sum reaches NaN, so the last row, as a
+                    // linear scan would answer.
+                    return Some(costs.len() - 1);
+                }
+                let row = cumulative.partition_point(|&sum| sum < target);
+                Some(row.min(costs.len() - 1))
             })
         }
     }
 }
 
 thread_local! {
-    static WEIGHTS: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
+    static CUMULATIVE: std::cell::RefCell<Vec<f64>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The softmax probabilities the picker samples from, written into `out` (same length as
@@ -195,7 +352,7 @@ pub fn pick_probabilities(costs: &[f64], temperature: f64, out: &mut [f64]) {
             }
         }
         Some(Softmax::Uniform) => out.fill(1.0 / n as f64),
-        Some(s) => {
+        Some(Softmax::Scaled(s)) => {
             let total: f64 = costs.iter().map(|&c| s.weight(c)).sum();
             for (o, &c) in out.iter_mut().zip(costs) {
                 *o = s.weight(c) / total;
@@ -227,24 +384,30 @@ fn pick_min(costs: &[f64], rng: &mut PickRng) -> usize {
 
 enum Softmax {
     Uniform,
-    Scaled {
-        lo: f64,
-        inv_div: f64,
-        inv_denom: f64,
-    },
+    Scaled(Scale),
+}
+
+/// The normalization of one softmax pick (`scheduling.md` §4.5).
+#[derive(Clone, Copy)]
+struct Scale {
+    lo: f64,
+    inv_div: f64,
+    inv_denom: f64,
 }
 
 impl Softmax {
     /// `None` means "take the minimum" (temperature 0, or a temperature so small that the
-    /// exponent's denominator underflows).
+    /// exponent's denominator underflows or its reciprocal overflows).
     fn new(costs: &[f64], temperature: f64) -> Option<Self> {
         if temperature <= 0.0 || temperature.is_nan() {
             return None;
         }
         let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+        // Plain comparisons skip NaN like `f64::min`/`max` do, but compile to one
+        // `minsd`/`maxsd` each instead of a NaN-checking blend.
         for &c in costs {
-            lo = lo.min(c);
-            hi = hi.max(c);
+            lo = if c < lo { c } else { lo };
+            hi = if c > hi { c } else { hi };
         }
         if lo == hi {
             return Some(Self::Uniform);
@@ -256,23 +419,24 @@ impl Softmax {
             hi /= div;
         }
         let denom = (hi - lo) * temperature;
-        (denom > 0.0).then(|| Self::Scaled {
-            lo,
-            inv_div: 1.0 / div,
-            inv_denom: 1.0 / denom,
+        let inv_denom = 1.0 / denom;
+        // A denominator so small that its reciprocal overflows would turn the minimum's
+        // weight into 0·∞ = NaN; such a temperature is indistinguishable from 0.
+        (denom > 0.0 && inv_denom.is_finite()).then(|| {
+            Self::Scaled(Scale {
+                lo,
+                inv_div: 1.0 / div,
+                inv_denom,
+            })
         })
     }
+}
 
+impl Scale {
+    /// `exp(−(cost − lo) / ((hi − lo)·T))`, with the costs divided by `div` first.
     #[inline]
     fn weight(&self, cost: f64) -> f64 {
-        match *self {
-            Self::Uniform => 1.0,
-            Self::Scaled {
-                lo,
-                inv_div,
-                inv_denom,
-            } => ((lo - cost * inv_div) * inv_denom).exp(),
-        }
+        exp((self.lo - cost * self.inv_div) * self.inv_denom)
     }
 }
 
@@ -307,6 +471,149 @@ mod tests {
         pick_probabilities(&[-f64::MAX, f64::MAX], 1.0, &mut p);
         assert!(p.iter().all(|x| x.is_finite()));
         assert!((p[0] - 1.0 / (1.0 + (-1f64).exp())).abs() < 1e-12);
+    }
+
+    /// The hoisted loop of the common configuration against the general one, bit for bit,
+    /// including rows where `cached_tokens` exceeds `isl`, rows without load, block sizes
+    /// that are not powers of two and counts beyond `i64::MAX`.
+    #[test]
+    fn tracked_loop_matches_general_loop() {
+        let mut x = 0x0123_4567_89AB_CDEF_u64;
+        let mut next = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let (mut fast, mut general) = (vec![0.0; 64], vec![0.0; 64]);
+        for round in 0..2_000 {
+            let config = RouterConfig {
+                host_cache_hit_weight: [0.75, 0.3, 1.0][round % 3],
+                disk_cache_hit_weight: [0.25, 0.1][round % 2],
+                decode_active_request_weight: [0.0, 2.0, 0.37][round % 3],
+                overlap_score_credit: [1.0, 0.5, 0.0][round % 3],
+                ..RouterConfig::default()
+            };
+            let pool = [PoolLabel::Decode, PoolLabel::Prefill][round % 2];
+            let scorer = DefaultScorer::new(&config, pool);
+            let block_size = [16, 1, 3, 0, 64, 7][round % 6];
+            let isl = if round % 13 == 0 {
+                (1 << 52) + next(3)
+            } else {
+                next(3_000)
+            };
+            let mut ctx = SelectionContext::new(isl, block_size, 0);
+            ctx.has_tier_data = round % 5 != 0;
+            if round % 7 == 0 {
+                ctx.pinned = Some(kv_types::WorkerKey::new(0, 0));
+            }
+            if round % 11 == 0 {
+                ctx.overrides.shared_cache_multiplier = Some(0.5);
+            }
+            let rows: Vec<Candidate> = (0..64)
+                .map(|i| {
+                    let huge = next(50) == 0;
+                    Candidate {
+                        cache: crate::CacheInputs {
+                            device_blocks: next(200) as u32,
+                            host_blocks: next(40) as u32,
+                            disk_blocks: next(40) as u32,
+                            shared_beyond_blocks: next(8) as u32,
+                        },
+                        load: (next(10) != 0).then(|| crate::LoadInputs {
+                            active_prefill_tokens: next(50_000),
+                            potential_decode_blocks: if huge {
+                                u64::MAX - next(9)
+                            } else {
+                                next(5_000)
+                            },
+                            active_requests: if huge { (1 << 63) + next(9) } else { next(100) },
+                        }),
+                        preferred_taint_multiplier: [1.0, 0.5, 2.3][i % 3],
+                        ..Candidate::new(kv_types::WorkerKey::new(i as u64, 0))
+                    }
+                })
+                .collect();
+            scorer.score(&ctx, &rows, &mut fast).unwrap();
+            scorer.score_general(&ctx, &rows, &mut general);
+            for (i, (a, b)) in fast.iter().zip(&general).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "round {round} row {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    /// The previous picker: libm `exp`, a separate sum and a linear scan.
+    fn reference_pick(costs: &[f64], temperature: f64, rng: &mut PickRng) -> usize {
+        let (lo, hi) = costs
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &c| {
+                (l.min(c), h.max(c))
+            });
+        let denom = (hi - lo) * temperature;
+        let weights: Vec<f64> = costs.iter().map(|&c| ((lo - c) / denom).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let target = rng.next_f64() * total;
+        let mut cumulative = 0.0;
+        for (i, &w) in weights.iter().enumerate() {
+            cumulative += w;
+            if cumulative >= target {
+                return i;
+            }
+        }
+        costs.len() - 1
+    }
+
+    #[test]
+    fn softmax_picks_match_the_libm_linear_scan_picker() {
+        let mut x = 0x5DEE_CE66_D1CE_4E5B_u64;
+        let mut next = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for round in 0..400 {
+            let n = 2 + next(300) as usize;
+            // Small integer costs make ties and zero weights (exact cumulative plateaus).
+            let costs: Vec<f64> = (0..n)
+                .map(|_| {
+                    if round % 2 == 0 {
+                        next(20) as f64
+                    } else {
+                        next(1 << 40) as f64 / 1024.0
+                    }
+                })
+                .collect();
+            let t = [0.7, 1.0, 0.05, 3.0, 0.001][round % 5];
+            let (mut a, mut b) = (PickRng::seeded(round as u64), PickRng::seeded(round as u64));
+            for _ in 0..50 {
+                assert_eq!(
+                    pick_with_temperature(&costs, t, &mut a),
+                    Some(reference_pick(&costs, t, &mut b)),
+                    "round {round}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn degenerate_inputs() {
+        // A reciprocal denominator that overflows is temperature 0: the minimum.
+        let mut rng = PickRng::seeded(1);
+        assert_eq!(
+            pick_with_temperature(&[1.0, 1.0 + f64::EPSILON], 1e-300, &mut rng),
+            Some(0)
+        );
+        // A NaN cost makes the total NaN, which no running sum reaches: the last row, as
+        // the linear scan answered.
+        assert_eq!(
+            pick_with_temperature(&[f64::NAN, 5.0, 1.0], 0.7, &mut rng),
+            Some(2)
+        );
     }
 
     #[test]

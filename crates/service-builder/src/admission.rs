@@ -69,7 +69,12 @@ impl Ticket {
                 TicketState::ShutDown => return WaitOutcome::ShutDown,
                 TicketState::Abandoned => return WaitOutcome::TimedOut,
                 TicketState::Waiting => {
-                    if self.cv.wait_until(&mut s, deadline).timed_out() {
+                    // A drain may admit the ticket between the timeout and re-locking: then
+                    // the admission stands (the drain stopped at this ticket, so dropping it
+                    // would strand the next waiter). Loom model: tests/it/loom.rs.
+                    if self.cv.wait_until(&mut s, deadline).timed_out()
+                        && *s == TicketState::Waiting
+                    {
                         *s = TicketState::Abandoned;
                         return WaitOutcome::TimedOut;
                     }

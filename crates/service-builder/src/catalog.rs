@@ -83,6 +83,11 @@ impl WorkerRequest {
         }
     }
 
+    /// `self.partition() == *key` without building the key (catalog scans run per worker).
+    pub(crate) fn is_in(&self, key: &PartitionKey) -> bool {
+        self.model_name == key.model_name && self.routing_group == key.routing_group
+    }
+
     /// Reasons 1–5 of http-api §4.2, in order.
     pub(crate) fn missing_metadata(&self, queueing: bool, use_kv_events: bool) -> Vec<String> {
         let mut reasons = Vec::new();

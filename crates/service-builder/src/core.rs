@@ -490,9 +490,9 @@ impl SelectionCore {
         }
         let old_partition = old.map(|o| o.worker.partition());
         if let Some(old) = old_partition.filter(|k| *k != out.worker.partition()) {
-            self.publish(&old);
+            self.publish(&old, out.worker.worker_id);
         }
-        self.publish(&out.worker.partition());
+        self.publish(&out.worker.partition(), out.worker.worker_id);
         Ok(out)
     }
 
@@ -525,7 +525,7 @@ impl SelectionCore {
                 "worker {worker_id} not found"
             )));
         };
-        self.publish(&record.worker.partition());
+        self.publish(&record.worker.partition(), worker_id);
         self.detach(&record.worker);
         record.lifecycle = Lifecycle::Unschedulable;
         tracing::info!(worker_id, lifecycle = "unschedulable", "worker removed");
@@ -648,44 +648,52 @@ impl SelectionCore {
         Ok(p)
     }
 
-    /// Republishes the schedulable worker map of a partition and reconciles its ledger
-    /// slots synchronously (so a booking right after registration never misses its rank).
-    fn publish(&self, key: &PartitionKey) {
+    /// Republishes the schedulable worker map of a partition after worker `changed` was
+    /// upserted or removed, and reconciles its ledger slots synchronously (so a booking
+    /// right after registration never misses its rank). Callers hold `catalog_mutation`, so
+    /// the previous map is current except for `changed`: copying it (shared records) and
+    /// updating one entry keeps a registration cheap with thousands of workers.
+    fn publish(&self, key: &PartitionKey, changed: u64) {
         let state = self.state.read();
         let Some(p) = state.partitions.get(key).cloned() else {
             return;
         };
-        let map: BTreeMap<u64, WorkerEntry> = state
+        let old = Arc::clone(&p.workers.read());
+        let mut map: BTreeMap<u64, WorkerEntry> = (**old).clone();
+        match state
             .records
-            .values()
-            .filter(|r| r.is_schedulable() && r.worker.partition() == *key)
-            .map(|r| {
-                (
-                    r.worker.worker_id,
-                    WorkerEntry {
-                        record: r.worker.clone(),
-                    },
-                )
-            })
-            .collect();
+            .get(&changed)
+            .filter(|r| r.is_schedulable() && r.worker.is_in(key))
+        {
+            Some(r) if old.get(&changed).is_some_and(|e| *e.record == r.worker) => {}
+            Some(r) => {
+                let entry = WorkerEntry {
+                    record: Arc::new(r.worker.clone()),
+                };
+                map.insert(changed, entry);
+            }
+            None => {
+                map.remove(&changed);
+            }
+        }
+        drop(old);
         drop(state);
+        let roster = Roster::new(map);
         let mut ledger = p.ledger.lock();
         let current: Vec<WorkerKey> = ledger.ranks().collect();
         for rank in current {
-            let keep = map
-                .get(&rank.worker_id.0)
-                .is_some_and(|w| w.record.has_rank(rank.dp_rank.0));
-            if !keep {
+            if !roster.has_row(rank) {
                 ledger.remove_rank(rank);
             }
         }
-        for w in map.values() {
+        // Every other worker's ranks were registered when it was published.
+        if let Some(w) = roster.get(&changed) {
             for rank in w.record.dp_ranks() {
                 ledger.register_rank(WorkerKey::new(w.record.worker_id, rank));
             }
         }
         drop(ledger);
-        *p.workers.write() = Arc::new(Roster::new(map));
+        *p.workers.write() = Arc::new(roster);
         self.recheck_queue(&p);
     }
 
@@ -707,7 +715,7 @@ impl SelectionCore {
             state
                 .records
                 .values()
-                .any(|r| r.is_schedulable() && r.worker.partition() == *key)
+                .any(|r| r.is_schedulable() && r.worker.is_in(key))
         });
         match ready {
             Some(p) => Ok(Arc::clone(p)),

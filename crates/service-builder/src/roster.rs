@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Deref;
+use std::sync::Arc;
 
 use kv_index::{TierHits, TieredMatches};
 use kv_types::WorkerKey;
@@ -15,10 +16,11 @@ use selection_policy::Capacity;
 
 use crate::catalog::WorkerRequest;
 
-/// A worker as the partition's scheduler sees it.
+/// A worker as the partition's scheduler sees it. Shared between successive rosters, so a
+/// catalog change copies pointers rather than every worker record.
 #[derive(Clone, Debug)]
 pub(crate) struct WorkerEntry {
-    pub(crate) record: WorkerRequest,
+    pub(crate) record: Arc<WorkerRequest>,
 }
 
 /// One candidate rank.
@@ -68,6 +70,11 @@ impl Roster {
 
     pub(crate) fn rows(&self) -> &[RosterRow] {
         &self.rows
+    }
+
+    /// Whether `key` is a schedulable rank of this roster.
+    pub(crate) fn has_row(&self, key: WorkerKey) -> bool {
+        self.row_of.contains_key(&key)
     }
 }
 
@@ -140,7 +147,12 @@ mod tests {
     fn worker(id: u64, ranks: u32) -> (u64, WorkerEntry) {
         let mut record = WorkerRequest::new(id);
         record.data_parallel_size = Some(ranks);
-        (id, WorkerEntry { record })
+        (
+            id,
+            WorkerEntry {
+                record: Arc::new(record),
+            },
+        )
     }
 
     #[test]

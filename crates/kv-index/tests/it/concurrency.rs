@@ -1,13 +1,14 @@
 //! Writers and readers on one shared index for a bounded time: every answer is a prefix
-//! some worker really stored (never longer than anything ever stored for it).
+//! some worker really stored (never longer than anything ever stored for it), and a store
+//! applied in pieces is only ever seen in whole pieces, even while its worker is removed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kv_index::{KvIndex, OverlapScores, SharedKvIndex};
-use kv_types::StorageTier;
+use kv_index::{KvIndex, OverlapScores, STORE_PIECE_BLOCKS, SharedKvIndex};
+use kv_types::{StorageTier, WorkerId};
 
 use crate::support::{cleared, q, removed, stored, w};
 
@@ -86,4 +87,106 @@ fn readers_never_see_more_than_was_stored() {
     }
     let checked: u64 = readers.into_iter().map(|h| h.join().unwrap()).sum();
     assert!(checked > 0);
+}
+
+/// Workers 0..6 store long chains (three pieces and a tail, so `SharedKvIndex::apply` splits
+/// them) whose first piece is shared by all of them, and clear them again; a "catalog"
+/// thread removes workers at arbitrary moments. Readers check on every answer that each
+/// worker's match is a whole number of pieces or its whole chain (a reader never sees half
+/// of a piece, and a removal between two pieces leaves no tail behind, since the next piece
+/// finds its parent gone). At the end the index must be empty once every worker is removed.
+#[test]
+fn pieced_stores_are_seen_in_whole_pieces_while_workers_come_and_go() {
+    const WORKERS: u64 = 6;
+    let piece = STORE_PIECE_BLOCKS as u64;
+    let chain_len = move |worker: u64| 3 * piece + 1 + worker;
+    let index = Arc::new(SharedKvIndex::new(KvIndex::with_block_size(16)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let deadline = Instant::now() + Duration::from_millis(800);
+    let mut writers = Vec::new();
+    for writer in 0..2u64 {
+        let index = Arc::clone(&index);
+        let stop = Arc::clone(&stop);
+        writers.push(thread::spawn(move || {
+            for round in 0..20_000u64 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                for worker in (writer..WORKERS).step_by(2) {
+                    let key = w(worker, 0);
+                    // Locals: a piece shared by every worker, then the worker's own.
+                    let pairs: Vec<(u64, u64)> = (0..chain_len(worker))
+                        .map(|i| {
+                            let local = if i < piece { i } else { worker * 1_000 + i };
+                            (local, worker * 1_000_000 + i)
+                        })
+                        .collect();
+                    index.apply(&stored(key, StorageTier::Device, None, &pairs));
+                    if round % 2 == 0 {
+                        index.apply(&cleared(key));
+                    }
+                }
+            }
+        }));
+    }
+    let catalog = {
+        let index = Arc::clone(&index);
+        let stop = Arc::clone(&stop);
+        thread::spawn(move || {
+            for k in 0..1_000_000u64 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                index.remove_worker(WorkerId(k % WORKERS));
+                thread::yield_now();
+            }
+        })
+    };
+    let mut readers = Vec::new();
+    for reader in 0..2u64 {
+        let index = Arc::clone(&index);
+        let stop = Arc::clone(&stop);
+        readers.push(thread::spawn(move || {
+            let mut out = OverlapScores::new();
+            let mut checked = 0u64;
+            while !stop.load(Ordering::Relaxed) && checked < 1_000_000 {
+                let worker = (reader + checked) % WORKERS;
+                let prompt: Vec<u64> = (0..chain_len(worker) + 2)
+                    .map(|i| if i < piece { i } else { worker * 1_000 + i })
+                    .collect();
+                index.find_matches(&q(&prompt), &mut out);
+                for e in out.entries() {
+                    let id = e.worker.worker_id.0;
+                    let m = u64::from(e.matched_blocks);
+                    assert!(id < WORKERS, "unknown worker {id}");
+                    if id == worker {
+                        assert!(
+                            m == chain_len(id) || (m % piece == 0 && m < chain_len(id)),
+                            "worker {id} matched {m} blocks: part of a piece"
+                        );
+                    } else {
+                        // Other workers share exactly the first piece.
+                        assert_eq!(m, piece, "worker {id} beyond the shared piece");
+                    }
+                }
+                checked += 1;
+            }
+            checked
+        }));
+    }
+    while Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in writers {
+        h.join().unwrap();
+    }
+    catalog.join().unwrap();
+    let checked: u64 = readers.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(checked > 0);
+    for worker in 0..WORKERS {
+        index.remove_worker(WorkerId(worker));
+    }
+    let stats = index.read(|i| i.primary_stats());
+    assert_eq!((stats.nodes, stats.memberships, stats.workers), (0, 0, 0));
 }

@@ -1,5 +1,6 @@
 //! Integration tests of the ledger: a proptest against a plain list-of-reservations model,
-//! and a bounded concurrency test through load handles.
+//! every order of drop / free / expiry / id reuse, a bounded stress test of handles, frees
+//! and expiry with total checks, and (with `--cfg loom`) a loom model of the handle.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,6 +11,9 @@ use load_accounting::{
     BookRequest, Ledger, LedgerConfig, LedgerError, LoadHandle, RankLoad, SharedLedger, SlotPolicy,
 };
 use proptest::prelude::*;
+
+#[cfg(loom)]
+mod loom;
 
 /// The obvious model: a list of reservations, every total recomputed from scratch.
 #[derive(Debug, Clone)]
@@ -241,45 +245,201 @@ proptest! {
     }
 }
 
+/// Every order of the four ways a booking can end or its id be reused — the handle's drop,
+/// a free by id, an expiry sweep, and a new booking of the same id — against a two-line
+/// model: the first booking is released exactly once and the stale handle's drop never
+/// releases the newer booking.
 #[test]
-fn concurrent_handles_leave_no_load_behind() {
+fn drop_free_expiry_and_reuse_release_a_booking_once_in_every_order() {
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    enum Live {
+        None,
+        First,
+        Second,
+    }
+    let w = WorkerKey::new(1, 0);
+    let hashes = [SequenceHash(1), SequenceHash(2)];
+    let req = BookRequest::new(w, &hashes, 64).with_prefill(32);
+    let mut orders = Vec::new();
+    for a in 0..4 {
+        for b in (0..4).filter(|&b| b != a) {
+            for c in (0..4).filter(|&c| c != a && c != b) {
+                orders.push([a, b, c, 6 - a - b - c]);
+            }
+        }
+    }
+    assert_eq!(orders.len(), 24);
+    for order in orders {
+        let ledger: SharedLedger = Arc::default();
+        let t0 = Instant::now();
+        let mut handle = Some(
+            LoadHandle::book(&ledger, "r".into(), &req, SlotPolicy::CreateMissing, t0).unwrap(),
+        );
+        let mut live = Live::First;
+        for step in order {
+            match step {
+                0 => {
+                    drop(handle.take());
+                    if live == Live::First {
+                        live = Live::None;
+                    }
+                }
+                1 => {
+                    let freed = ledger.lock().free("r").is_ok();
+                    assert_eq!(freed, live != Live::None, "{order:?}");
+                    live = Live::None;
+                }
+                2 => {
+                    let ids = ledger.lock().expire(t0 + Duration::from_secs(301));
+                    assert_eq!(ids.len(), usize::from(live == Live::First), "{order:?}");
+                    if live == Live::First {
+                        live = Live::None;
+                    }
+                }
+                _ => {
+                    let later = t0 + Duration::from_secs(5);
+                    let booked =
+                        ledger
+                            .lock()
+                            .book("r".into(), &req, SlotPolicy::CreateMissing, later);
+                    assert_eq!(booked.is_ok(), live == Live::None, "{order:?}");
+                    if live == Live::None {
+                        live = Live::Second;
+                    }
+                }
+            }
+            let ledger = ledger.lock();
+            let load = ledger.load(w).unwrap_or_default();
+            let want = if live == Live::None {
+                RankLoad::default()
+            } else {
+                RankLoad {
+                    active_prefill_tokens: 32,
+                    active_decode_blocks: 2,
+                    active_requests: 1,
+                }
+            };
+            assert_eq!(load, want, "{order:?} after step {step}");
+            assert_eq!(ledger.len(), usize::from(live != Live::None));
+        }
+    }
+}
+
+/// Bookers (through load handles: lifecycle calls, explicit release, drop, hand-off by id),
+/// a freer by id and an expiry sweeper race on one ledger for a bounded number of steps.
+/// Checked while running: every rank's request count and prefill tokens equal the sums over
+/// its live bookings. Checked at the end: each booking was released at most once by the
+/// observable paths, and once every handle is gone and a final sweep ran, nothing is left.
+#[test]
+fn concurrent_book_free_drop_expire_keep_totals_exact() {
+    const BOOKERS: u64 = 3;
+    const PER_BOOKER: u64 = 1_500;
     let ledger: SharedLedger = Arc::default();
     let t0 = Instant::now();
-    let threads: Vec<_> = (0..4u64)
+    let admitted = move |i: u64| t0 + Duration::from_millis(i);
+    let bookers: Vec<_> = (0..BOOKERS)
         .map(|t| {
             let ledger = Arc::clone(&ledger);
             std::thread::spawn(move || {
                 let hashes: Vec<SequenceHash> = (0..8).map(SequenceHash).collect();
                 let mut held = Vec::new();
-                for i in 0..2_000u64 {
+                let mut released = 0u64;
+                for i in 0..PER_BOOKER {
                     let worker = WorkerKey::new(i % 8, 0);
                     let req =
                         BookRequest::new(worker, &hashes[..(i % 8) as usize], 128).with_prefill(64);
                     let id = format!("t{t}-{i}");
-                    let h =
-                        LoadHandle::book(&ledger, id.into(), &req, SlotPolicy::CreateMissing, t0)
-                            .unwrap();
+                    let h = LoadHandle::book(
+                        &ledger,
+                        id.into(),
+                        &req,
+                        SlotPolicy::CreateMissing,
+                        admitted(i),
+                    )
+                    .unwrap();
+                    // The freer or the sweeper may have taken the booking already.
                     if i % 3 == 0 {
-                        h.prefill_complete().unwrap();
+                        let _ = h.prefill_complete();
                     }
                     if i % 5 == 0 {
-                        h.output_block(Some(0.5)).unwrap();
+                        let _ = h.output_block(Some(0.5));
                     }
-                    held.push(h);
+                    match i % 11 {
+                        0 => released += u64::from(h.release().is_ok()),
+                        1 => drop(h.into_id()),
+                        _ => held.push(h),
+                    }
                     if held.len() > 16 {
                         // Dropping releases; the rest go at thread end.
                         held.swap_remove(0);
                     }
                 }
+                released
             })
         })
         .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let ledger = ledger.lock();
+    let freer = {
+        let ledger = Arc::clone(&ledger);
+        std::thread::spawn(move || {
+            let mut freed = 0u64;
+            for k in 0..3_000u64 {
+                let id = format!("t{}-{}", k % BOOKERS, (k * 7919) % PER_BOOKER);
+                freed += u64::from(ledger.lock().free(&id).is_ok());
+            }
+            freed
+        })
+    };
+    let sweeper = {
+        let ledger = Arc::clone(&ledger);
+        std::thread::spawn(move || {
+            let mut expired = 0u64;
+            for k in 0..300u64 {
+                let now = admitted(k * 5) + load_accounting::DEFAULT_EXPIRY;
+                expired += ledger.lock().expire(now).len() as u64;
+                if k % 15 == 0 {
+                    check_totals_against_live_bookings(&ledger.lock(), BOOKERS, PER_BOOKER);
+                }
+            }
+            expired
+        })
+    };
+    let released: u64 = bookers.into_iter().map(|t| t.join().unwrap()).sum();
+    let freed = freer.join().unwrap();
+    let expired = sweeper.join().unwrap();
+    let mut ledger = ledger.lock();
+    check_totals_against_live_bookings(&ledger, BOOKERS, PER_BOOKER);
+    // Only bookings handed off by id can still be live; a final sweep takes them.
+    let handed_off = ledger.len() as u64;
+    let last = ledger.expire(admitted(PER_BOOKER) + load_accounting::DEFAULT_EXPIRY);
+    assert_eq!(last.len() as u64, handed_off);
+    assert!(released + freed + expired + handed_off <= BOOKERS * PER_BOOKER);
     assert!(ledger.is_empty());
-    for (_, load) in ledger.loads() {
+    let probe: Vec<SequenceHash> = (0..8).map(SequenceHash).collect();
+    for (worker, load) in ledger.loads() {
         assert_eq!(load, RankLoad::default());
+        assert_eq!(ledger.overlap_depth(worker, &probe), 0);
+    }
+}
+
+/// Request counts and prefill tokens per rank against the live bookings among the ids the
+/// stress test uses.
+fn check_totals_against_live_bookings(ledger: &Ledger, bookers: u64, per_booker: u64) {
+    let mut want: HashMap<WorkerKey, (u64, u64)> = HashMap::new();
+    let mut live = 0;
+    for t in 0..bookers {
+        for i in 0..per_booker {
+            if let Some(r) = ledger.reservation(&format!("t{t}-{i}")) {
+                let e = want.entry(r.worker).or_default();
+                e.0 += 1;
+                e.1 += r.pending_prefill_tokens;
+                live += 1;
+            }
+        }
+    }
+    assert_eq!(ledger.len(), live);
+    for (worker, load) in ledger.loads() {
+        let (requests, prefill) = want.get(&worker).copied().unwrap_or_default();
+        assert_eq!(load.active_requests, requests, "{worker}");
+        assert_eq!(load.active_prefill_tokens, prefill, "{worker}");
     }
 }

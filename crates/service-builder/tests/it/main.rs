@@ -6,6 +6,8 @@
     reason = "test helpers fail loudly on broken fixtures"
 )]
 
+#[cfg(loom)]
+mod loom;
 mod metrics;
 
 use std::collections::BTreeMap;
