@@ -20,10 +20,14 @@
 //! - Removing a rank drops its bookings, so no booking outlives its rank.
 //!
 //! # Design choices
-//! - The prompt blocks of a rank are an uncompressed trie keyed by `(parent node, hash)`
-//!   with a holder count per node; "prompt blocks only this request holds" is the run of
-//!   nodes with one holder above the request's last node. Chains from peers may be arbitrary
-//!   u64s, so a hash alone is never taken as the identity of a prefix.
+//! - The prompt blocks of a rank are a path-compressed trie: segments hold runs of tracking
+//!   hashes with one holder count and one weight per run (no booking ends and no path
+//!   branches inside a run), edges keyed by `(parent segment, first hash)`. Booking and
+//!   freeing a 256-block prompt is one run comparison and one probe per segment boundary
+//!   (≈ 0.8 k instructions under cachegrind, ≈ 50 k with a node per block); "prompt blocks
+//!   only this request holds" are whole segments with one holder above the request's last
+//!   segment. Chains from peers may be arbitrary u64s, so a hash alone is never taken as
+//!   the identity of a prefix.
 //! - Weights of exactly 1.0 are counted as integers; decayed weights go to one `f64` sum per
 //!   rank that is reset to 0 when its last term leaves, so undecayed load is exact forever.
 //! - Expiry scans all bookings: it runs at most every 30 s and 10 k bookings scan in

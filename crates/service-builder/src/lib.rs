@@ -32,10 +32,18 @@
 //! already keeps elsewhere (listener, index, ledger, replica statistics) is read by a
 //! collector at scrape time, so selection and event ingestion do no metrics work for it.
 //!
-//! # Not yet here
-//! KV hints name only the device tree's chain (a source whose advantage lies in host-pinned
-//! continuation blocks yields no hint). Policy files are parsed by the app; the core takes
-//! the resulting `selection_policy::PolicyClasses` in [`CoreConfig::policy_classes`].
+//! # Design notes
+//! - A partition's schedulable workers are one immutable `Roster` snapshot: records shared
+//!   by `Arc`, flat rank rows in `(worker, rank)` order and a key map. A selection places
+//!   the index's hits (which come in no particular order) on rows through the key map, so
+//!   no per-selection sort; a catalog change copies the previous roster's pointers and
+//!   replaces one worker (register + delete with 10,000 workers: 1.9 ms, was 64 ms when
+//!   every record was rebuilt).
+//! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
+//!   extended by host_pinned continuations, and sources whose prefix runs past it are not
+//!   eligible. Policy files are parsed by the app; the core takes the resulting
+//!   `selection_policy::PolicyClasses` in [`CoreConfig::policy_classes`].
+//!
 
 mod admission;
 mod catalog;
