@@ -94,6 +94,26 @@
 //!   bs 64 within noise of before (0.63–0.83 µs). At load 4–6 both versions fall to
 //!   3–6 M ops/s and 2–4 µs, so compare interleaved. `index_memory` is unchanged
 //!   (44.6 B per membership).
+//! - Measured and rejected (interleaved with the code above, `--measurement-time 5`):
+//!   a 32-byte hot node (`local`, `first_child`, `kids`, owners) with `external`, `parent`
+//!   and `refs` in a parallel 16-byte slab. The lookup walk reads half the data (callgrind:
+//!   7.4 k → 4.3 k instructions and 280 → 111 L1 misses per bs 16 prompt) and is 7–17 %
+//!   faster at load 1 (1.46/1.55 µs against 1.57/1.86 µs), but within noise at load 2.5
+//!   (1.54/1.77/1.78 against 1.19/1.60/1.96 µs). `index_apply` gains nothing: a store
+//!   that joins an existing node must read its `external` (map key check) and bump
+//!   `refs`, and a remove must probe by `external` and read `parent`, so every random
+//!   node costs two lines on two pages instead of one to two lines on one page:
+//!   11.0/11.4 against 10.9/11.4 M ops/s at load 1 and 8.2/8.1/8.7/8.2 against
+//!   9.8/11.4/8.6/9.1 M ops/s at load 2.5 (callgrind's simulated last-level misses fell
+//!   by a fifth, but it models neither prefetching nor TLB misses). A store that first
+//!   walks its existing path with guessed successors (as the lookup does) and then
+//!   updates owners and maps: 8.6/10.1/10.6/10.7 against 10.2/10.8/9.9/11.1 M ops/s. The
+//!   remove's map probe cannot be skipped for a chain's next block even when its node is
+//!   known (the entry must still be found to be deleted), and it already overlaps its
+//!   misses (first pass). A small gain outside this crate (no `unsafe` here for
+//!   `madvise`): transparent huge pages for the slab (`GLIBC_TUNABLES=
+//!   glibc.malloc.hugetlb=1`, THP in `madvise` mode on this machine, ~170 MB became huge
+//!   pages): `index_apply` 10.9/11.1/12.3 against 11.0/10.0/10.7 M ops/s at load 1.1.
 //! - `index_memory`: 44.6 B resident-set growth per membership at 8.8 M memberships
 //!   (1.5 per node), 32 B at 17.4 M (before: 70 B and 59 B). By capacity
 //!   ([`PrefixIndex::allocated_bytes`]: slab capacity including untouched pages, maps,

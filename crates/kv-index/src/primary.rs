@@ -1080,6 +1080,28 @@ mod tests {
     }
 
     #[test]
+    fn store_whose_remap_prunes_its_own_path_recreates_the_node() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        // Ext 14 also maps to the third node, then that node and the second lose `w`.
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 14)]));
+        idx.apply_removed(w, &[ExternalHash(13), ExternalHash(12)]);
+        // Moving 14 to the first node frees the third and then the second node, which the
+        // same store's next block (2, 99) steps into: it must be created again (a store
+        // that looked its path up before changing anything would write into a freed node).
+        let outcome = idx.apply_stored(w, None, &blocks(&[(1, 14), (2, 99)]));
+        assert_eq!(outcome, StoreOutcome::Applied);
+        idx.check_invariants();
+        let mut out = OverlapScores::new();
+        idx.find_matches(&q(&[1, 2, 3]), &mut out);
+        assert_eq!(out.score(w), 2);
+        assert_eq!(idx.stats().nodes, 2);
+        assert!(idx.remove_worker_key(w));
+        assert_eq!(idx.stats(), PrefixIndexStats::default());
+    }
+
+    #[test]
     fn branch_children_are_found_after_first_child_is_pruned() {
         let mut idx = PrefixIndex::new();
         let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
