@@ -44,28 +44,19 @@ impl Scorer for DefaultScorer {
         candidates: &[Candidate],
         costs: &mut [f64],
     ) -> Result<(), PolicyError> {
-        let o = &ctx.overrides;
-        let credit = o.overlap_score_credit.unwrap_or(self.credit);
-        let scale = o.prefill_load_scale.unwrap_or(self.scale);
-        let shared_mult = o.shared_cache_multiplier.unwrap_or(self.shared_mult);
-        let track = ctx.track_prefill_tokens;
-        let block = f64::from(ctx.block_size.max(1));
-        let isl = ctx.isl;
-        let decode_exception = self.pool == PoolLabel::Decode && !track && credit > 0.0;
-        let decay_on = track && self.decay != 0.0;
-        let apply_taint = ctx.pinned.is_none();
-        if track && !decay_on && !decode_exception {
+        let k = self.knobs(ctx);
+        if k.track && !k.decay_on && !k.decode_exception {
             let tracked = Tracked {
-                credit,
-                scale,
-                shared_mult,
+                credit: k.credit,
+                scale: k.scale,
+                shared_mult: k.shared_mult,
                 has_tier_data: ctx.has_tier_data,
-                apply_taint,
-                isl,
-                cached_above: cached_above(isl),
+                apply_taint: k.apply_taint,
+                isl: ctx.isl,
+                cached_above: cached_above(ctx.isl),
                 block_size: ctx.block_size,
-                block,
-                inv_block: 1.0 / block,
+                block: k.block,
+                inv_block: 1.0 / k.block,
             };
             // Dividing by a power of two and multiplying by its reciprocal are both exact.
             if ctx.block_size.max(1).is_power_of_two() {
@@ -75,29 +66,60 @@ impl Scorer for DefaultScorer {
             }
             return Ok(());
         }
-        self.score_general(ctx, candidates, costs);
+        self.score_general(ctx, &k, candidates, costs);
         Ok(())
     }
 }
 
+/// The request's effective weights and switches (per-request overrides applied).
+#[derive(Clone, Copy)]
+struct Knobs {
+    credit: f64,
+    scale: f64,
+    shared_mult: f64,
+    track: bool,
+    block: f64,
+    decode_exception: bool,
+    decay_on: bool,
+    apply_taint: bool,
+}
+
 impl DefaultScorer {
+    fn knobs(&self, ctx: &SelectionContext<'_>) -> Knobs {
+        let o = &ctx.overrides;
+        let credit = o.overlap_score_credit.unwrap_or(self.credit);
+        let track = ctx.track_prefill_tokens;
+        Knobs {
+            credit,
+            scale: o.prefill_load_scale.unwrap_or(self.scale),
+            shared_mult: o.shared_cache_multiplier.unwrap_or(self.shared_mult),
+            track,
+            block: f64::from(ctx.block_size.max(1)),
+            decode_exception: self.pool == PoolLabel::Decode && !track && credit > 0.0,
+            decay_on: track && self.decay != 0.0,
+            apply_taint: ctx.pinned.is_none(),
+        }
+    }
+
     /// The cost of §4.3 for every configuration, one row at a time as the spec writes it.
     fn score_general(
         &self,
         ctx: &SelectionContext<'_>,
+        k: &Knobs,
         candidates: &[Candidate],
         costs: &mut [f64],
     ) {
-        let o = &ctx.overrides;
-        let credit = o.overlap_score_credit.unwrap_or(self.credit);
-        let scale = o.prefill_load_scale.unwrap_or(self.scale);
-        let shared_mult = o.shared_cache_multiplier.unwrap_or(self.shared_mult);
-        let track = ctx.track_prefill_tokens;
-        let block = f64::from(ctx.block_size.max(1));
+        let Knobs {
+            credit,
+            scale,
+            shared_mult,
+            track,
+            block,
+            decode_exception,
+            decay_on,
+            apply_taint,
+        } = *k;
         let isl = ctx.isl;
-        let decode_exception = self.pool == PoolLabel::Decode && !track && credit > 0.0;
-        let decay_on = track && self.decay != 0.0;
-        let apply_taint = ctx.pinned.is_none();
         // Only needed for the decay factor; skipped otherwise (one pass less).
         let min_active = if decay_on {
             candidates
@@ -535,7 +557,7 @@ mod tests {
                 })
                 .collect();
             scorer.score(&ctx, &rows, &mut fast).unwrap();
-            scorer.score_general(&ctx, &rows, &mut general);
+            scorer.score_general(&ctx, &scorer.knobs(&ctx), &rows, &mut general);
             for (i, (a, b)) in fast.iter().zip(&general).enumerate() {
                 assert_eq!(
                     a.to_bits(),

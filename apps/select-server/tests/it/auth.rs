@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 use crate::fake::Fake;
-use crate::http::free_port;
+use crate::http::{free_port, spawn_on_free_port};
 
 const FULL_A: &str = "full-token-aaaaaaaaaaaa";
 const FULL_B: &str = "full-token-bbbbbbbbbbbb";
@@ -312,22 +312,9 @@ struct Server {
 
 impl Server {
     fn start(args: &[&str]) -> Server {
-        let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let server = Server { child, port };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "server did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
+        let (child, port) =
+            spawn_on_free_port(args, &[], |_| Stdio::null()).expect("server listens within 20 s");
+        Server { child, port }
     }
 
     /// One request with an optional bearer token: (status, raw head, JSON body).

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::http::free_port;
+use crate::http::{free_port, spawn_on_free_port};
 
 struct Server {
     child: Child,
@@ -25,25 +25,9 @@ impl Server {
     }
 
     fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
-        let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(extra)
-            .envs(env.iter().copied())
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("binary starts");
-        let server = Server { child, port };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return server;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("server did not listen on {port} within 20 s");
+        let (child, port) =
+            spawn_on_free_port(extra, env, |_| Stdio::null()).expect("server listens within 20 s");
+        Server { child, port }
     }
 
     fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {

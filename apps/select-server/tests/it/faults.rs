@@ -12,7 +12,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -23,8 +23,8 @@ use replica_sync::{
 };
 use serde_json::{Value, json};
 
-use crate::http::free_port;
-use crate::mesh::{Ports, Replica, warm_up};
+use crate::http::{free_port, spawn_on_free_port};
+use crate::mesh::{three_replicas, warm_up};
 
 /// Longest any single HTTP answer may take while the server is under a fault.
 const LIVENESS: Duration = Duration::from_secs(5);
@@ -38,34 +38,21 @@ struct Proc {
 
 impl Proc {
     fn start(args: &[&str], env: &[(&str, &str)]) -> Proc {
-        let port = free_port();
-        let log = std::env::temp_dir().join(format!(
-            "kv-select-faults-{}-{port}.log",
-            std::process::id()
-        ));
-        let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(args)
-            .envs(env.iter().copied())
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .expect("binary starts");
-        let mut p = Proc { child, port, log };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            assert!(
-                p.child.try_wait().unwrap().is_none(),
-                "server exited during startup: {}",
-                p.log_text()
-            );
-            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return p;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let log_of = |port: u16| {
+            std::env::temp_dir().join(format!(
+                "kv-select-faults-{}-{port}.log",
+                std::process::id()
+            ))
+        };
+        let stderr = |port| File::create(log_of(port)).unwrap().into();
+        match spawn_on_free_port(args, env, stderr) {
+            Some((child, port)) => Proc {
+                child,
+                port,
+                log: log_of(port),
+            },
+            None => panic!("server did not listen within 20 s on three ports"),
         }
-        panic!("server did not listen on {port} within 20 s");
     }
 
     fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
@@ -528,18 +515,7 @@ fn replica_flood_message(i: u64) -> Vec<Vec<u8>> {
 
 #[test]
 fn replicas_survive_a_killed_a_paused_and_a_flooding_peer() {
-    let [pa, pb, pc] = [(); 3].map(|()| Ports {
-        http: free_port(),
-        replica: free_port(),
-    });
-    let kv_ports = [free_port(), free_port(), free_port()];
-    let a = Replica::start(pa, &[pb, pc]);
-    let b = Replica::start(pb, &[pa, pc]);
-    let c = Replica::start(pc, &[pa, pb]);
-    for r in [&a, &b, &c] {
-        r.register_catalog(&kv_ports);
-    }
-    warm_up(&a, &[&b, &c], "a");
+    let (_, _, [a, b, c]) = three_replicas();
 
     // C dies without warning (SIGKILL): A keeps serving and keeps reaching B.
     signal(c.pid(), "KILL");

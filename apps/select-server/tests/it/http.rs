@@ -8,7 +8,8 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::time::Duration;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -19,6 +20,58 @@ pub(crate) fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Starts the real binary on `127.0.0.1:port` with `args` and `env` (`RUST_LOG=warn`,
+/// stderr to `stderr`) and waits up to 20 s for it to listen. `None` when it exits first
+/// or never listens (it is then killed): the caller reports or retries.
+///
+/// A port from [`free_port`] can be taken by another test's process before the server
+/// binds it; then a connection succeeds (to the other process) while this server exits on
+/// its bind error, so a listening port only counts once the child is still alive a moment
+/// later.
+pub(crate) fn spawn_server(
+    port: u16,
+    args: &[&str],
+    env: &[(&str, &str)],
+    stderr: Stdio,
+) -> Option<Child> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_select-server"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(args)
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .expect("binary starts");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+            if child.try_wait().unwrap().is_none() {
+                return Some(child);
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// [`spawn_server`] on a free port, with up to three fresh ports when one was lost to a
+/// race; `stderr` is called once per attempt.
+pub(crate) fn spawn_on_free_port(
+    args: &[&str],
+    env: &[(&str, &str)],
+    stderr: impl Fn(u16) -> Stdio,
+) -> Option<(Child, u16)> {
+    (0..3).find_map(|_| {
+        let port = free_port();
+        spawn_server(port, args, env, stderr(port)).map(|child| (child, port))
+    })
 }
 
 /// One request on a fresh connection; the body is JSON when it parses, else a JSON string.

@@ -6,13 +6,12 @@
     reason = "test helpers fail loudly on a broken fixture"
 )]
 
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::http::free_port;
+use crate::http::{free_port, spawn_server};
 
 /// One replica's fixed ports: kept across a restart so that peers reconnect by themselves.
 #[derive(Clone, Copy)]
@@ -35,32 +34,21 @@ impl Replica {
             .map(|p| format!("tcp://127.0.0.1:{}", p.replica))
             .collect::<Vec<_>>()
             .join(",");
+        let args = [
+            "--replica-sync-port",
+            &me.replica.to_string(),
+            "--replica-sync-peers",
+            &peer_list,
+            "--session-affinity-ttl-secs",
+            "60",
+        ];
         for _attempt in 0..5 {
-            let mut child = Command::new(env!("CARGO_BIN_EXE_select-server"))
-                .args(["--host", "127.0.0.1", "--port", &me.http.to_string()])
-                .args(["--replica-sync-port", &me.replica.to_string()])
-                .args(["--replica-sync-peers", &peer_list])
-                .args(["--session-affinity-ttl-secs", "60"])
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("binary starts");
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while Instant::now() < deadline {
-                if child.try_wait().unwrap().is_some() {
-                    break;
-                }
-                if TcpStream::connect(("127.0.0.1", me.http)).is_ok() {
-                    return Replica {
-                        child,
-                        port: me.http,
-                    };
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            if let Some(child) = spawn_server(me.http, &args, &[], Stdio::null()) {
+                return Replica {
+                    child,
+                    port: me.http,
+                };
             }
-            let _ = child.kill();
-            let _ = child.wait();
             std::thread::sleep(Duration::from_millis(200));
         }
         panic!("replica did not listen on {} after 5 attempts", me.http);
@@ -167,8 +155,10 @@ pub(crate) fn warm_up(from: &Replica, to: &[&Replica], tag: &str) {
     }
 }
 
-#[test]
-fn three_replicas_mesh_all_to_all_and_survive_a_peer_restart() {
+/// Three replicas meshed all to all, each with the same three-worker catalog, and A's
+/// bookings seen by B and C. Returns their ports (for restarts), the catalog's KV ports and
+/// the replicas.
+pub(crate) fn three_replicas() -> ([Ports; 3], [u16; 3], [Replica; 3]) {
     let [pa, pb, pc] = [(); 3].map(|()| Ports {
         http: free_port(),
         replica: free_port(),
@@ -181,6 +171,12 @@ fn three_replicas_mesh_all_to_all_and_survive_a_peer_restart() {
         r.register_catalog(&kv_ports);
     }
     warm_up(&a, &[&b, &c], "a");
+    ([pa, pb, pc], kv_ports, [a, b, c])
+}
+
+#[test]
+fn three_replicas_mesh_all_to_all_and_survive_a_peer_restart() {
+    let ([pa, pb, pc], kv_ports, [a, b, c]) = three_replicas();
     warm_up(&b, &[&a, &c], "b");
     warm_up(&c, &[&a, &b], "c");
 
