@@ -1,5 +1,5 @@
 //! Prompt hashing: public block hashes + public chain, and keyed tracking hashes, for
-//! 1, 32, 128 and 62,500 blocks of 16 tokens (62,500 blocks = a 1 M-token prompt).
+//! 1, 32, 128, 256 and 62,500 blocks of 16 tokens (62,500 blocks = a 1 M-token prompt).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kv_types::{HashOptions, TrackingHasher, TrackingKey, TrackingScope};
@@ -21,7 +21,7 @@ fn hashing(c: &mut Criterion) {
     let mut blocks = Vec::new();
     let mut seqs = Vec::new();
     let mut group = c.benchmark_group("hashing");
-    for n_blocks in [1usize, 32, 128, 62_500] {
+    for n_blocks in [1usize, 32, 128, 256, 62_500] {
         let tokens = benches::tokens(n_blocks * BLOCK as usize, 42);
         group.throughput(Throughput::Bytes((tokens.len() * 4) as u64));
         group.bench_with_input(
@@ -36,6 +36,22 @@ fn hashing(c: &mut Criterion) {
                         &mut blocks,
                     );
                     kv_types::sequence_hashes_into(&blocks, &mut seqs);
+                    black_box(seqs.last().copied())
+                })
+            },
+        );
+        group.bench_with_input(
+            BenchmarkId::new("public_one_pass", n_blocks),
+            &tokens,
+            |b, t| {
+                b.iter(|| {
+                    kv_types::prompt_hashes_into(
+                        black_box(t),
+                        BLOCK,
+                        &HashOptions::default(),
+                        &mut blocks,
+                        &mut seqs,
+                    );
                     black_box(seqs.last().copied())
                 })
             },

@@ -7,6 +7,7 @@
 use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_64_with_seed};
 
 use crate::ids::{BlockHash, SequenceHash};
+use crate::xxh3_fixed::Xxh3Seeded;
 
 /// Base block seed and the public chain seed.
 pub const CHAIN_SEED: u64 = 1337;
@@ -84,6 +85,68 @@ pub fn block_hashes_into(
     );
 }
 
+/// [`block_hashes_into`] and [`sequence_hashes_into`] in one pass: `blocks` and `seqs`
+/// (both cleared first) end up exactly as the two calls would leave them.
+///
+/// The chain is serial (each link waits for the previous multiply), while window hashes
+/// are independent; computing them in the same loop lets the CPU overlap the chain's
+/// latency with the next window's hash instead of paying the two passes back to back.
+pub fn prompt_hashes_into(
+    tokens: &[u32],
+    block_size: u32,
+    opts: &HashOptions<'_>,
+    blocks: &mut Vec<BlockHash>,
+    seqs: &mut Vec<SequenceHash>,
+) {
+    const CHAIN: Xxh3Seeded = Xxh3Seeded::new(CHAIN_SEED);
+    blocks.clear();
+    seqs.clear();
+    let seed = block_seed(opts.lora_name, opts.cache_salt);
+    let n = window_count(tokens.len(), block_size, opts.is_eagle);
+    if block_size == 16 && !opts.is_eagle && opts.block_mm_infos.is_empty() {
+        // The default block size without multimodal objects: disjoint 64-byte windows
+        // written in place (no per-block capacity checks; this loop is most of a
+        // selection's fixed cost).
+        let xxh = Xxh3Seeded::new(seed);
+        blocks.resize(n, BlockHash(0));
+        seqs.resize(n, SequenceHash(0));
+        let mut prev: Option<u64> = None;
+        for ((window, b), s) in tokens.chunks_exact(16).zip(blocks.iter_mut()).zip(seqs) {
+            let Ok(t) = <&[u32; 16]>::try_from(window) else {
+                continue;
+            };
+            let h = xxh.hash_16_tokens(t);
+            let link = match prev {
+                None => h,
+                Some(p) => CHAIN.hash_two_words(p, h),
+            };
+            *b = BlockHash(h);
+            *s = SequenceHash(link);
+            prev = Some(link);
+        }
+        return;
+    }
+    blocks.reserve(n);
+    seqs.reserve(n);
+    let mut prev: Option<u64> = None;
+    for_each_window_hash(
+        tokens,
+        block_size,
+        opts.is_eagle,
+        opts.block_mm_infos,
+        seed,
+        |h| {
+            blocks.push(BlockHash(h));
+            let link = match prev {
+                None => h,
+                Some(p) => CHAIN.hash_two_words(p, h),
+            };
+            seqs.push(SequenceHash(link));
+            prev = Some(link);
+        },
+    );
+}
+
 /// Convenience wrapper of [`block_hashes_into`] returning a new vector.
 pub fn block_hashes(tokens: &[u32], block_size: u32, opts: &HashOptions<'_>) -> Vec<BlockHash> {
     let mut out = Vec::new();
@@ -131,6 +194,16 @@ pub(crate) fn for_each_window_hash(
     let n = window_count(tokens.len(), block_size, is_eagle);
     let b = block_size as usize;
     let w = if is_eagle { b + 1 } else { b };
+    if b == 16 && !is_eagle && mm_infos.is_empty() {
+        // The default block size without multimodal objects: disjoint 64-byte windows.
+        let xxh = Xxh3Seeded::new(seed);
+        for window in tokens.chunks_exact(16) {
+            if let Ok(t) = <&[u32; 16]>::try_from(window) {
+                emit(xxh.hash_16_tokens(t));
+            }
+        }
+        return;
+    }
     for k in 0..n {
         let window = &tokens[k * b..k * b + w];
         let mm = mm_infos
@@ -151,23 +224,22 @@ pub(crate) fn chain_into(
     seed: u64,
     out: &mut Vec<SequenceHash>,
 ) {
+    let xxh = Xxh3Seeded::new(seed);
     let mut prev: Option<u64> = None;
     for block in blocks {
         let next = match prev {
             None => block,
-            Some(p) => chain_step(p, block, seed),
+            Some(p) => xxh.hash_two_words(p, block),
         };
         out.push(SequenceHash(next));
         prev = Some(next);
     }
 }
 
+/// One link `XXH3(LE64(prev) ‖ LE64(block), seed)`.
 #[inline]
 pub(crate) fn chain_step(prev: u64, block: u64, seed: u64) -> u64 {
-    let mut buf = [0u8; 16];
-    buf[..8].copy_from_slice(&prev.to_le_bytes());
-    buf[8..].copy_from_slice(&block.to_le_bytes());
-    xxh3_64_with_seed(&buf, seed)
+    Xxh3Seeded::new(seed).hash_two_words(prev, block)
 }
 
 #[cfg(target_endian = "little")]
@@ -242,6 +314,19 @@ mod tests {
                 "sequence hashes"
             );
         }
+        // The fused pass agrees with the two separate ones on every golden vector.
+        let (mut fused_blocks, mut fused_seqs) = (vec![BlockHash(7)], vec![SequenceHash(7)]);
+        prompt_hashes_into(
+            tokens,
+            block_size,
+            &opts,
+            &mut fused_blocks,
+            &mut fused_seqs,
+        );
+        assert_eq!(fused_blocks, got, "fused block hashes");
+        let mut chain = Vec::new();
+        sequence_hashes_into(&got, &mut chain);
+        assert_eq!(fused_seqs, chain, "fused sequence hashes");
     }
 
     fn range(lo: u32, hi_inclusive: u32) -> Vec<u32> {
@@ -470,6 +555,29 @@ mod tests {
                 let head = cut / block_size as usize;
                 sequence_hashes_into(&whole[..head], &mut head_chain);
                 prop_assert_eq!(&full_chain[..head], &head_chain[..]);
+
+                // The default block size takes the fixed-size XXH3; it is plain XXH3.
+                let seed = block_seed(None, salt.as_deref());
+                let direct: Vec<BlockHash> = tokens
+                    .chunks_exact(16)
+                    .map(|w| {
+                        let bytes: Vec<u8> = w.iter().flat_map(|t| t.to_le_bytes()).collect();
+                        BlockHash(xxh3_64_with_seed(&bytes, seed))
+                    })
+                    .collect();
+                prop_assert_eq!(block_hashes(&tokens, 16, &opts), direct);
+
+                // The one-pass form gives both results, Eagle windows included.
+                for is_eagle in [false, true] {
+                    let opts = HashOptions { is_eagle, ..opts };
+                    let blocks = block_hashes(&tokens, block_size, &opts);
+                    let mut chain = Vec::new();
+                    sequence_hashes_into(&blocks, &mut chain);
+                    let (mut b, mut s) = (Vec::new(), Vec::new());
+                    prompt_hashes_into(&tokens, block_size, &opts, &mut b, &mut s);
+                    prop_assert_eq!(&b, &blocks);
+                    prop_assert_eq!(&s, &chain);
+                }
             }
         }
     }

@@ -21,11 +21,12 @@ pub mod hashing;
 mod ids;
 mod ops;
 pub mod tracking;
+mod xxh3_fixed;
 
 pub use endpoint::{EndpointProblem, InvalidEndpoint, validate_endpoint};
 pub use hashing::{
     BlockMmInfo, CHAIN_SEED, HashOptions, MmObject, block_hashes, block_hashes_into, block_seed,
-    mm_identifier_hash, pad_value, sequence_hashes_into, window_count,
+    mm_identifier_hash, pad_value, prompt_hashes_into, sequence_hashes_into, window_count,
 };
 pub use ids::{
     BlockHash, DpRank, ExternalHash, SequenceHash, WorkerId, WorkerKey, i64_from_u64, u64_from_i64,

@@ -9,6 +9,7 @@ use kv_types::{SequenceHash, WorkerId, WorkerKey};
 use rustc_hash::FxHashMap;
 
 use crate::rank::{ROOT, RankState};
+use crate::slots::{RankSlot, RankTable};
 
 /// Default age after which a booking is reclaimed (`DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`).
 pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(300);
@@ -248,7 +249,7 @@ struct Booking {
 #[derive(Debug, Default)]
 pub struct Ledger {
     config: LedgerConfig,
-    ranks: FxHashMap<WorkerKey, RankState>,
+    ranks: RankTable,
     bookings: FxHashMap<ReservationId, Booking>,
     next_seq: u64,
 }
@@ -269,12 +270,12 @@ impl Ledger {
 
     /// Registers a rank with zero load (no-op if present).
     pub fn register_rank(&mut self, worker: WorkerKey) {
-        self.ranks.entry(worker).or_default();
+        self.ranks.get_or_insert(worker);
     }
 
     /// Whether the rank has a slot.
     pub fn is_registered(&self, worker: WorkerKey) -> bool {
-        self.ranks.contains_key(&worker)
+        self.ranks.contains(worker)
     }
 
     /// Drops a rank and every booking on it; returns the dropped ids.
@@ -288,7 +289,7 @@ impl Ledger {
     }
 
     fn remove_ranks_where(&mut self, pred: impl Fn(WorkerKey) -> bool) -> Vec<ReservationId> {
-        self.ranks.retain(|k, _| !pred(*k));
+        self.ranks.retain(|k| !pred(k));
         let mut removed = Vec::new();
         self.bookings.retain(|id, b| {
             let drop = pred(b.worker);
@@ -342,8 +343,8 @@ impl Ledger {
             });
         }
         let rank = match slot {
-            SlotPolicy::CreateMissing => self.ranks.entry(req.worker).or_default(),
-            SlotPolicy::RequireRegistered => match self.ranks.get_mut(&req.worker) {
+            SlotPolicy::CreateMissing => self.ranks.get_or_insert(req.worker),
+            SlotPolicy::RequireRegistered => match self.ranks.get_mut(req.worker) {
                 Some(r) => r,
                 None => return Err(LedgerError::UnknownRank { worker: req.worker }),
             },
@@ -414,7 +415,7 @@ impl Ledger {
             return Err(LedgerError::InvalidDecayFraction { value: f });
         }
         let b = self.bookings.get_mut(id).ok_or_else(|| not_found(id))?;
-        let Some(rank) = self.ranks.get_mut(&b.worker) else {
+        let Some(rank) = self.ranks.get_mut(b.worker) else {
             // Bookings never outlive their rank (remove_rank drops them).
             return Err(not_found(id));
         };
@@ -462,7 +463,7 @@ impl Ledger {
 
     fn release(&mut self, id: ReservationId, mut b: Booking) -> Freed {
         complete_prefill(&mut self.ranks, &mut b);
-        if let Some(rank) = self.ranks.get_mut(&b.worker) {
+        if let Some(rank) = self.ranks.get_mut(b.worker) {
             if b.last_node != ROOT {
                 rank.release_path(b.last_node);
             }
@@ -532,24 +533,29 @@ impl Ledger {
 
     /// Current load of a registered rank.
     pub fn load(&self, worker: WorkerKey) -> Option<RankLoad> {
-        self.ranks.get(&worker).map(rank_load)
+        self.ranks.get(worker).map(rank_load)
     }
 
     /// Current load of every registered rank (unordered).
     pub fn loads(&self) -> impl Iterator<Item = (WorkerKey, RankLoad)> + '_ {
-        self.ranks.iter().map(|(k, r)| (*k, rank_load(r)))
+        self.ranks.iter().map(|(k, r)| (k, rank_load(r)))
     }
 
     /// Registered ranks (unordered).
     pub fn ranks(&self) -> impl Iterator<Item = WorkerKey> + '_ {
-        self.ranks.keys().copied()
+        self.ranks.iter().map(|(k, _)| k)
     }
 
     /// Longest prefix of `tracking_hashes` active on the rank (0 for unknown ranks).
     pub fn overlap_depth(&self, worker: WorkerKey, tracking_hashes: &[SequenceHash]) -> usize {
         self.ranks
-            .get(&worker)
+            .get(worker)
             .map_or(0, |r| r.overlap_depth(tracking_hashes))
+    }
+
+    /// The slot of a registered rank, to pass to [`Ledger::potential_load_at`] later.
+    pub fn rank_slot(&self, worker: WorkerKey) -> Option<RankSlot> {
+        self.ranks.slot(worker)
     }
 
     /// Projects a prospective request onto a rank. `added_prefill_tokens` is what the
@@ -561,7 +567,21 @@ impl Ledger {
         tracking_hashes: &[SequenceHash],
         added_prefill_tokens: u64,
     ) -> PotentialLoad {
-        let (load, depth) = match self.ranks.get(&worker) {
+        self.potential_load_at(None, worker, tracking_hashes, added_prefill_tokens)
+    }
+
+    /// [`Ledger::potential_load`] reading the rank at `slot` (from [`Ledger::rank_slot`])
+    /// without a key lookup; a stale or missing slot falls back to the lookup, so the answer
+    /// is always the one `potential_load` gives.
+    #[inline]
+    pub fn potential_load_at(
+        &self,
+        slot: Option<RankSlot>,
+        worker: WorkerKey,
+        tracking_hashes: &[SequenceHash],
+        added_prefill_tokens: u64,
+    ) -> PotentialLoad {
+        let (load, depth) = match self.ranks.get_at(slot, worker) {
             Some(r) => (rank_load(r), r.overlap_depth(tracking_hashes)),
             None => (RankLoad::default(), 0),
         };
@@ -585,12 +605,12 @@ fn rank_load(r: &RankState) -> RankLoad {
     }
 }
 
-fn complete_prefill(ranks: &mut FxHashMap<WorkerKey, RankState>, b: &mut Booking) -> bool {
+fn complete_prefill(ranks: &mut RankTable, b: &mut Booking) -> bool {
     if b.prefill_completed {
         return false;
     }
     b.prefill_completed = true;
-    if let Some(rank) = ranks.get_mut(&b.worker) {
+    if let Some(rank) = ranks.get_mut(b.worker) {
         rank.prefill_tokens -= b.prefill_tokens;
     }
     b.prefill_tokens = 0;

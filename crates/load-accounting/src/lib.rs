@@ -43,6 +43,7 @@ mod busy;
 mod handle;
 mod ledger;
 mod rank;
+mod slots;
 mod sync;
 
 pub use busy::{DEFAULT_PREFILL_TOKEN_CAPACITY, PrefillBusyThreshold, decode_busy};
@@ -51,3 +52,4 @@ pub use ledger::{
     BookRequest, BookingSeq, DEFAULT_EXPIRY, Freed, Ledger, LedgerConfig, LedgerError, Origin,
     PotentialLoad, RankLoad, ReservationId, ReservationInfo, SlotPolicy,
 };
+pub use slots::RankSlot;

@@ -331,11 +331,17 @@ impl RankState {
     }
 
     /// Length of the longest prefix of `path` that is active on this rank.
+    #[inline]
     pub(crate) fn overlap_depth(&self, path: &[SequenceHash]) -> usize {
-        // Idle ranks are the common case in a large fleet; skip hashing the first edge.
+        // Idle ranks are the common case in a large fleet; skip hashing the first edge (and
+        // the call: this check is inlined into the per-candidate loop).
         if self.children.is_empty() {
             return 0;
         }
+        self.walk_depth(path)
+    }
+
+    fn walk_depth(&self, path: &[SequenceHash]) -> usize {
         let mut cur = ROOT;
         let mut i = 0;
         while i < path.len() {

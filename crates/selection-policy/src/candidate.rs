@@ -26,6 +26,21 @@ impl CacheInputs {
             + w_host * f64::from(self.host_blocks)
             + w_disk * f64::from(self.disk_blocks)
     }
+
+    /// `cached_tokens(effective_overlap_blocks(w_host, w_disk), block_size)`, exactly.
+    #[inline]
+    pub fn cached_tokens(&self, w_host: f64, w_disk: f64, block_size: u32) -> u64 {
+        // Device-only hits (the usual case) are an integer product: no float rounding.
+        // Finite weights times zero add exactly zero, so the answer is the same.
+        if self.host_blocks == 0
+            && self.disk_blocks == 0
+            && w_host.is_finite()
+            && w_disk.is_finite()
+        {
+            return u64::from(self.device_blocks) * u64::from(block_size);
+        }
+        cached_tokens(self.effective_overlap_blocks(w_host, w_disk), block_size)
+    }
 }
 
 /// `round(effective_overlap_blocks · B)`, half away from zero, never negative.
@@ -90,12 +105,19 @@ impl Candidate {
 
 /// `exp(−tanh(sum))`: the preferred-taint multiplier for the summed weights of the preferred
 /// taints a worker has (bounded to `[e⁻¹, e]`).
+#[inline]
 pub fn preferred_taint_multiplier(matching_weight_sum: f32) -> f64 {
     // The service calls this for every candidate of every selection and nearly all match no
-    // preferred taint: skip the two libm calls then (exp(−tanh(±0)) is exactly 1).
+    // preferred taint: skip the two libm calls then (exp(−tanh(±0)) is exactly 1), and
+    // inline that check into the caller's loop.
     if matching_weight_sum == 0.0 {
         return 1.0;
     }
+    taint_bias(matching_weight_sum)
+}
+
+#[cold]
+fn taint_bias(matching_weight_sum: f32) -> f64 {
     (-f64::from(matching_weight_sum).tanh()).exp()
 }
 
@@ -261,6 +283,42 @@ mod tests {
                 "{blocks} x {bs}"
             );
         }
+    }
+
+    #[test]
+    fn cache_inputs_cached_tokens_matches_the_float_form() {
+        let mut x = 0x2545_F491_4F6C_DD1D_u64;
+        for i in 0..50_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let cache = CacheInputs {
+                device_blocks: (x % 70_000) as u32,
+                // Half the cases are device-only (the integer path).
+                host_blocks: if i % 2 == 0 {
+                    0
+                } else {
+                    (x >> 20) as u32 % 500
+                },
+                disk_blocks: if i % 4 < 2 { 0 } else { (x >> 30) as u32 % 500 },
+                shared_beyond_blocks: (x >> 50) as u32 % 7,
+            };
+            let bs = 1 + (x >> 40) as u32 % 128;
+            let weights = [(0.75, 0.25), (0.0, 0.0), (1.0, 1.0), (0.3, 0.9)];
+            let (wh, wd) = weights[i % 4];
+            assert_eq!(
+                cache.cached_tokens(wh, wd, bs),
+                cached_tokens(cache.effective_overlap_blocks(wh, wd), bs),
+                "{cache:?} {wh} {wd} {bs}"
+            );
+        }
+        // Non-finite weights take the float path (NaN overlap caches nothing).
+        let device_only = CacheInputs {
+            device_blocks: 4,
+            ..CacheInputs::default()
+        };
+        assert_eq!(device_only.cached_tokens(f64::NAN, 0.0, 16), 0);
+        assert_eq!(device_only.cached_tokens(0.5, 0.5, 16), 64);
     }
 
     #[test]

@@ -678,7 +678,7 @@ impl SelectionCore {
         }
         drop(old);
         drop(state);
-        let roster = Roster::new(map);
+        let mut roster = Roster::new(map);
         let mut ledger = p.ledger.lock();
         let current: Vec<WorkerKey> = ledger.ranks().collect();
         for rank in current {
@@ -692,6 +692,7 @@ impl SelectionCore {
                 ledger.register_rank(WorkerKey::new(w.record.worker_id, rank));
             }
         }
+        roster.bind_ledger(&ledger);
         drop(ledger);
         *p.workers.write() = Arc::new(roster);
         self.recheck_queue(&p);
@@ -1216,12 +1217,9 @@ impl SelectionCore {
                     disk_blocks: hits.disk_extension(),
                     shared_beyond_blocks: 0,
                 };
-                let cached = cached_tokens(
-                    cache.effective_overlap_blocks(w_host, w_disk),
-                    partition.block_size,
-                );
+                let cached = cache.cached_tokens(w_host, w_disk, partition.block_size);
                 let added = if track { isl - isl.min(cached) } else { 0 };
-                let load = ledger.potential_load(key, &scratch.tracking, added);
+                let load = ledger.potential_load_at(rr.ledger_slot, key, &scratch.tracking, added);
                 scratch.candidates.push(Candidate {
                     worker: key,
                     cache,
@@ -1324,8 +1322,23 @@ impl SelectionCore {
                 is_eagle,
                 block_mm_infos: mm,
             };
-            kv_types::block_hashes_into(tokens, partition.block_size, &opts, &mut scratch.blocks);
-            if self.config.router.assume_kv_reuse(over) {
+            let reuse = self.config.router.assume_kv_reuse(over);
+            if reuse && matches!(self.config.tracking, kv_types::TrackingHasher::Public) {
+                // Public tracking hashes are the sequence chain of the block hashes.
+                kv_types::prompt_hashes_into(
+                    tokens,
+                    partition.block_size,
+                    &opts,
+                    &mut scratch.blocks,
+                    &mut scratch.tracking,
+                );
+            } else if reuse {
+                kv_types::block_hashes_into(
+                    tokens,
+                    partition.block_size,
+                    &opts,
+                    &mut scratch.blocks,
+                );
                 let scope = TrackingScope {
                     model_name: &partition.key.model_name,
                     routing_group: &partition.key.routing_group,
@@ -1342,6 +1355,12 @@ impl SelectionCore {
                     &mut scratch.tracking,
                 );
             } else {
+                kv_types::block_hashes_into(
+                    tokens,
+                    partition.block_size,
+                    &opts,
+                    &mut scratch.blocks,
+                );
                 scratch.tracking.clear();
                 let mut rng =
                     PickRng::seeded(self.rng_seed.fetch_add(1, Ordering::Relaxed) ^ clock_seed());

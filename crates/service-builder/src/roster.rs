@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use kv_index::{TierHits, TieredMatches};
 use kv_types::WorkerKey;
+use load_accounting::{Ledger, RankSlot};
 use rustc_hash::FxHashMap;
 use selection_policy::Capacity;
 
@@ -30,6 +31,9 @@ pub(crate) struct RosterRow {
     pub(crate) capacity: Capacity,
     /// Whether the worker has taints (only then are a request's taint rules evaluated).
     pub(crate) tainted: bool,
+    /// Where the partition ledger keeps this rank, so the candidate loop reads its load
+    /// without a key lookup (the ledger checks the hint and falls back if it went stale).
+    pub(crate) ledger_slot: Option<RankSlot>,
 }
 
 /// Schedulable workers by id plus their rank rows in ascending `(worker, rank)` order.
@@ -53,6 +57,7 @@ impl Roster {
                         total_kv_blocks: r.total_kv_blocks,
                     },
                     tainted: !r.taints.is_empty(),
+                    ledger_slot: None,
                 });
             }
         }
@@ -70,6 +75,13 @@ impl Roster {
 
     pub(crate) fn rows(&self) -> &[RosterRow] {
         &self.rows
+    }
+
+    /// Records where `ledger` keeps each rank (call once its ranks are registered).
+    pub(crate) fn bind_ledger(&mut self, ledger: &Ledger) {
+        for row in &mut self.rows {
+            row.ledger_slot = ledger.rank_slot(row.key);
+        }
     }
 
     /// Whether `key` is a schedulable rank of this roster.
