@@ -110,6 +110,9 @@ struct RunResult {
     /// CPU time the server process used during the run (Linux only): on a shared machine
     /// CPU per request is steadier than requests per second.
     server_cpu: Option<Duration>,
+    /// CPU time of this load generator during the run: on a small machine it competes with
+    /// the server for the same cores, so the two together bound the rate.
+    client_cpu: Option<Duration>,
 }
 
 impl RunResult {
@@ -125,9 +128,9 @@ impl RunResult {
         self.requests as f64 / self.elapsed.as_secs_f64()
     }
 
-    /// Server CPU microseconds per request.
-    fn cpu_per_request(&self) -> Option<f64> {
-        let cpu = self.server_cpu?;
+    /// CPU microseconds per request of `cpu`.
+    fn per_request(&self, cpu: Option<Duration>) -> Option<f64> {
+        let cpu = cpu?;
         (self.requests > 0).then(|| cpu.as_secs_f64() * 1e6 / self.requests as f64)
     }
 }
@@ -161,6 +164,7 @@ async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
             args.seconds
         );
         let cpu_before = server.cpu_time();
+        let client_before = process_cpu_time(std::process::id());
         let mut run = load(
             addr,
             &bodies,
@@ -171,6 +175,9 @@ async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
         run.server_cpu = server
             .cpu_time()
             .zip(cpu_before)
+            .map(|(a, b)| a.saturating_sub(b));
+        run.client_cpu = process_cpu_time(std::process::id())
+            .zip(client_before)
             .map(|(a, b)| a.saturating_sub(b));
         if let Some(perf) = perf {
             perf.finish()?;
@@ -300,6 +307,7 @@ async fn load(
         elapsed,
         latencies,
         server_cpu: None,
+        client_cpu: None,
     })
 }
 
@@ -367,15 +375,15 @@ pub(crate) async fn call_json(
 )]
 fn print_results(results: &[RunResult]) {
     println!(
-        "connections  requests      req/s   p50 (µs)   p99 (µs)  p99.9 (µs)   max (µs)  errors  server CPU µs/req"
+        "connections  requests      req/s   p50 (µs)   p99 (µs)  p99.9 (µs)   max (µs)  errors  server CPU µs/req  client CPU µs/req"
     );
     for r in results {
         let us = |d: Duration| d.as_secs_f64() * 1e6;
-        let cpu = r
-            .cpu_per_request()
-            .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.1}"));
+        let fmt = |c: Option<f64>| c.map_or_else(|| "n/a".to_owned(), |c| format!("{c:.1}"));
+        let cpu = fmt(r.per_request(r.server_cpu));
+        let client = fmt(r.per_request(r.client_cpu));
         println!(
-            "{:>11}  {:>8}  {:>9.0}  {:>9.0}  {:>9.0}  {:>10.0}  {:>9.0}  {:>6}  {cpu:>17}",
+            "{:>11}  {:>8}  {:>9.0}  {:>9.0}  {:>9.0}  {:>10.0}  {:>9.0}  {:>6}  {cpu:>17}  {client:>17}",
             r.connections,
             r.requests,
             r.rate(),
@@ -462,17 +470,22 @@ impl ServerProcess {
         self.child.id()
     }
 
-    /// User + system CPU time of the server so far, from `/proc/<pid>/stat` (fields 14 and
-    /// 15, in clock ticks; 100 Hz on every Linux this runs on). `None` elsewhere.
+    /// User + system CPU time of the server so far (Linux only).
     pub(crate) fn cpu_time(&self) -> Option<Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
-        // The command name (field 2) may contain spaces; the fields after it are plain.
-        let rest = stat.get(stat.rfind(')')? + 2..)?;
-        let mut fields = rest.split_ascii_whitespace().skip(11);
-        let utime: u64 = fields.next()?.parse().ok()?;
-        let stime: u64 = fields.next()?.parse().ok()?;
-        Some(Duration::from_millis((utime + stime) * 10))
+        process_cpu_time(self.pid())
     }
+}
+
+/// User + system CPU time of process `pid` so far, from `/proc/<pid>/stat` (fields 14 and
+/// 15, in clock ticks; 100 Hz on every Linux this runs on). `None` elsewhere.
+fn process_cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces; the fields after it are plain.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let mut fields = rest.split_ascii_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(Duration::from_millis((utime + stime) * 10))
 }
 
 impl Drop for ServerProcess {
@@ -521,11 +534,13 @@ mod tests {
             elapsed: Duration::from_secs(1),
             latencies: (0..=100).map(Duration::from_micros).collect(),
             server_cpu: Some(Duration::from_micros(202)),
+            client_cpu: None,
         };
         assert_eq!(run.percentile(50.0), Duration::from_micros(50));
         assert_eq!(run.percentile(99.0), Duration::from_micros(99));
         assert_eq!(run.rate(), 101.0);
-        assert_eq!(run.cpu_per_request(), Some(2.0));
+        assert_eq!(run.per_request(run.server_cpu), Some(2.0));
+        assert_eq!(run.per_request(run.client_cpu), None);
     }
 
     #[test]

@@ -61,3 +61,4 @@ pub use recovery::recover_from_peers;
 pub use routes::{EdgeOptions, HttpResponse, POLICY_CLASS_HEADER, Routes, error_response, router};
 pub use server::{WorkersFileError, read_workers_file, serve};
 pub use service_backend::{ServiceBackend, build_service};
+pub use tokens::split_token_ids;

@@ -330,29 +330,53 @@ pub fn pick_with_temperature(costs: &[f64], temperature: f64, rng: &mut PickRng)
             // `cumsum(w) >= u·total` (no division per row), and since weights are
             // non-negative the running sums are sorted, so "the first row whose running sum
             // reaches the target" is a binary search.
+            // Small tables (a few workers per model is common) use the stack: the
+            // thread-local's access and borrow cost more than the rows themselves.
+            if costs.len() <= SMALL_TABLE {
+                let mut buffer = [0.0; SMALL_TABLE];
+                return Some(sample_cumulative(
+                    &s,
+                    costs,
+                    &mut buffer[..costs.len()],
+                    rng,
+                ));
+            }
             CUMULATIVE.with_borrow_mut(|buffer| {
                 if buffer.len() < costs.len() {
                     buffer.resize(costs.len(), 0.0);
                 }
-                let cumulative = &mut buffer[..costs.len()];
-                // A plain local loop keeps the running sum in a register (an `extend` with a
-                // capturing closure kept it in memory: a store-to-load chain per row).
-                let mut total = 0.0;
-                for (sum, &c) in cumulative.iter_mut().zip(costs) {
-                    total += s.weight(c);
-                    *sum = total;
-                }
-                let target = rng.next_f64() * total;
-                if target.is_nan() {
-                    // Only a NaN cost gets here; no sum reaches NaN, so the last row, as a
-                    // linear scan would answer.
-                    return Some(costs.len() - 1);
-                }
-                let row = cumulative.partition_point(|&sum| sum < target);
-                Some(row.min(costs.len() - 1))
+                Some(sample_cumulative(
+                    &s,
+                    costs,
+                    &mut buffer[..costs.len()],
+                    rng,
+                ))
             })
         }
     }
+}
+
+/// Rows up to which the cumulative weights live on the stack.
+const SMALL_TABLE: usize = 16;
+
+/// Fills `cumulative` (as long as `costs`) with running weight sums and samples a row.
+#[inline(always)]
+fn sample_cumulative(s: &Scale, costs: &[f64], cumulative: &mut [f64], rng: &mut PickRng) -> usize {
+    // A plain local loop keeps the running sum in a register (an `extend` with a
+    // capturing closure kept it in memory: a store-to-load chain per row).
+    let mut total = 0.0;
+    for (sum, &c) in cumulative.iter_mut().zip(costs) {
+        total += s.weight(c);
+        *sum = total;
+    }
+    let target = rng.next_f64() * total;
+    if target.is_nan() {
+        // Only a NaN cost gets here; no sum reaches NaN, so the last row, as a linear scan
+        // would answer.
+        return costs.len() - 1;
+    }
+    let row = cumulative.partition_point(|&sum| sum < target);
+    row.min(costs.len() - 1)
 }
 
 thread_local! {
@@ -648,5 +672,31 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(9), run(9));
+    }
+
+    #[test]
+    fn stack_and_thread_local_tables_sample_the_same_way() {
+        // Around the stack-table size, each pick is the row where the cumulative
+        // probability first reaches the same uniform draw.
+        for n in [2usize, SMALL_TABLE, SMALL_TABLE + 1, 3 * SMALL_TABLE] {
+            let costs: Vec<f64> = (0..n).map(|i| ((i * 7919) % 13) as f64 + 0.25).collect();
+            let mut probs = vec![0.0; n];
+            pick_probabilities(&costs, 0.9, &mut probs);
+            let mut rng = PickRng::seeded(n as u64);
+            for _ in 0..500 {
+                let mut draw = rng.clone();
+                let u = draw.next_f64();
+                let got = pick_with_temperature(&costs, 0.9, &mut rng).unwrap();
+                let mut acc = 0.0;
+                let want = probs
+                    .iter()
+                    .position(|p| {
+                        acc += p;
+                        acc >= u
+                    })
+                    .unwrap_or(n - 1);
+                assert_eq!(got, want, "n={n} u={u}");
+            }
+        }
     }
 }
