@@ -166,6 +166,42 @@ impl AccessTokens {
     }
 }
 
+/// The bearer token this server presents to `--indexer-peers` when it fetches their `/dump`
+/// (`--indexer-peers-token-file`: the first token of a file in the format above). Peers that
+/// require tokens answer 401 without it. `Debug` never shows the token.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PeerToken(String);
+
+impl PeerToken {
+    /// Reads and validates the file.
+    pub fn load(path: &Path) -> Result<Self, TokenFileError> {
+        let contents = std::fs::read(path).map_err(|source| TokenFileError::Read {
+            flag: PEER_FLAG,
+            path: path.to_owned(),
+            source,
+        })?;
+        let lines = token_lines(PEER_FLAG, path, &contents)?;
+        // Validated as visible ASCII, so this is UTF-8; the first token is the one used.
+        let token = lines
+            .first()
+            .map(|(_, t)| String::from_utf8_lossy(t).into_owned())
+            .unwrap_or_default();
+        Ok(Self(token))
+    }
+
+    /// The `Authorization` header value.
+    pub fn header_value(&self) -> String {
+        format!("Bearer {}", self.0)
+    }
+}
+
+impl fmt::Debug for PeerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PeerToken(<redacted>)")
+    }
+}
+
+const PEER_FLAG: &str = "--indexer-peers-token-file";
 const FULL_FLAG: &str = "--auth-token-file";
 const READ_ONLY_FLAG: &str = "--auth-read-only-token-file";
 
@@ -190,6 +226,18 @@ fn parse_lines(
     path: &Path,
     contents: &[u8],
 ) -> Result<Vec<(usize, blake3::Hash)>, TokenFileError> {
+    Ok(token_lines(flag, path, contents)?
+        .into_iter()
+        .map(|(line, token)| (line, blake3::hash(token)))
+        .collect())
+}
+
+/// The validated tokens of a token file with their 1-based lines; none is an error.
+fn token_lines<'a>(
+    flag: &'static str,
+    path: &Path,
+    contents: &'a [u8],
+) -> Result<Vec<(usize, &'a [u8])>, TokenFileError> {
     let mut out = Vec::new();
     for (index, raw) in contents.split(|&b| b == b'\n').enumerate() {
         let line = index + 1;
@@ -212,7 +260,7 @@ fn parse_lines(
                 len: token.len(),
             });
         }
-        out.push((line, blake3::hash(token)));
+        out.push((line, token));
     }
     if out.is_empty() {
         return Err(TokenFileError::Empty {

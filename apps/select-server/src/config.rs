@@ -84,6 +84,11 @@ struct Cli {
     #[arg(long, value_delimiter = ',', value_name = "URLS")]
     indexer_peers: Vec<String>,
 
+    /// File whose first bearer token (format of --auth-token-file) is sent to the
+    /// --indexer-peers when fetching their /dump, for peers that require tokens.
+    #[arg(long, requires = "indexer_peers", value_name = "PATH")]
+    indexer_peers_token_file: Option<PathBuf>,
+
     /// Replica-sync ZMQ PUB port, bound as tcp://*:<port> (1-65535). Enables the replica mesh.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..), value_name = "PORT")]
     replica_sync_port: Option<u16>,
@@ -177,6 +182,8 @@ pub struct ServerConfig {
     pub port: u16,
     pub threads: u32,
     pub indexer_peers: Vec<String>,
+    /// `--indexer-peers-token-file`, loaded and validated at parse time.
+    pub indexer_peers_token: Option<crate::auth::PeerToken>,
     pub replica_sync_port: Option<u16>,
     pub replica_sync_peers: Vec<String>,
     pub session_affinity_ttl: Option<Duration>,
@@ -220,6 +227,7 @@ impl Default for ServerConfig {
             port: 8092,
             threads: 4,
             indexer_peers: Vec::new(),
+            indexer_peers_token: None,
             replica_sync_port: None,
             replica_sync_peers: Vec::new(),
             session_affinity_ttl: None,
@@ -389,6 +397,12 @@ impl ServerConfig {
             }
             None => crate::auth::AccessTokens::default(),
         };
+        let indexer_peers_token = cli
+            .indexer_peers_token_file
+            .as_deref()
+            .map(crate::auth::PeerToken::load)
+            .transpose()
+            .map_err(|e| e.to_string())?;
         let replica_sync_key = match &cli.replica_sync_key_file {
             Some(path) => {
                 let bytes = std::fs::read(path).map_err(|e| {
@@ -416,6 +430,7 @@ impl ServerConfig {
             port: cli.port,
             threads: cli.threads,
             indexer_peers: non_empty(cli.indexer_peers),
+            indexer_peers_token,
             replica_sync_port: cli.replica_sync_port,
             replica_sync_peers: non_empty(cli.replica_sync_peers),
             session_affinity_ttl: cli.session_affinity_ttl_secs,

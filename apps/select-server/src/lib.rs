@@ -53,7 +53,7 @@ mod server;
 mod service_backend;
 mod tokens;
 
-pub use auth::{Access, AccessTokens, TokenFileError};
+pub use auth::{Access, AccessTokens, PeerToken, TokenFileError};
 pub use backend::{ApiError, ApiResult, Backend, ErrorBody, QueueLimitKind};
 pub use body::BodyLimits;
 pub use discovery::WorkersFileWatcher;

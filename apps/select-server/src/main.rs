@@ -50,6 +50,7 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
         backend.service().core(),
         &cfg.indexer_peers,
         std::time::Duration::from_secs(1),
+        cfg.indexer_peers_token.as_ref(),
     )
     .await;
     // The workers file is the discovery source: applied once now (a bad file fails

@@ -10,17 +10,20 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use service_builder::SelectionCore;
 
+use crate::auth::PeerToken;
+
 /// Per-peer deadline of the whole GET.
 const PEER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest snapshot accepted from a peer.
 const MAX_DUMP_BYTES: usize = 1 << 30;
 
-/// Tries `peers` in order after `settle` (the spec's 1 s slow-joiner wait); returns the peer
-/// whose snapshot was applied, if any.
+/// Tries `peers` in order after `settle` (the spec's 1 s slow-joiner wait), presenting
+/// `token` if given; returns the peer whose snapshot was applied, if any.
 pub async fn recover_from_peers(
     core: &SelectionCore,
     peers: &[String],
     settle: Duration,
+    token: Option<&PeerToken>,
 ) -> Option<String> {
     if peers.is_empty() {
         return None;
@@ -29,7 +32,7 @@ pub async fn recover_from_peers(
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     for peer in peers {
         let url = format!("{}/dump", peer.trim_end_matches('/'));
-        let fetched = tokio::time::timeout(PEER_TIMEOUT, fetch(&client, &url)).await;
+        let fetched = tokio::time::timeout(PEER_TIMEOUT, fetch(&client, &url, token)).await;
         let body = match fetched {
             Ok(Ok(body)) => body,
             Ok(Err(e)) => {
@@ -56,11 +59,19 @@ pub async fn recover_from_peers(
 async fn fetch(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
     url: &str,
+    token: Option<&PeerToken>,
 ) -> Result<Bytes, String> {
     let uri: http::Uri = url
         .parse()
         .map_err(|e| format!("invalid peer URL {url:?}: {e}"))?;
-    let response = client.get(uri).await.map_err(|e| e.to_string())?;
+    let mut request = http::Request::get(uri);
+    if let Some(t) = token {
+        request = request.header(http::header::AUTHORIZATION, t.header_value());
+    }
+    let request = request
+        .body(Empty::new())
+        .map_err(|e| format!("cannot build the request: {e}"))?;
+    let response = client.request(request).await.map_err(|e| e.to_string())?;
     if !response.status().is_success() {
         return Err(format!("status {}", response.status()));
     }

@@ -28,6 +28,12 @@
 //!   only this request holds" are whole segments with one holder above the request's last
 //!   segment. Chains from peers may be arbitrary u64s, so a hash alone is never taken as
 //!   the identity of a prefix.
+//! - Ranks live at stable slots of a slab with a key index. A selection reads every
+//!   candidate's projection; callers that keep a [`RankSlot`] per candidate (the service
+//!   keeps one per roster row) read it by index instead of hashing the key, and a slot that
+//!   went stale (its rank removed, the slot reused) is detected by key and answered through
+//!   the index. With 128 candidates this took a selection from ≈ 96 to ≈ 25 instructions
+//!   per candidate for the projection (callgrind).
 //! - Weights of exactly 1.0 are counted as integers; decayed weights go to one `f64` sum per
 //!   rank that is reset to 0 when its last term leaves, so undecayed load is exact forever.
 //! - Expiry scans all bookings: it runs at most every 30 s and 10 k bookings scan in

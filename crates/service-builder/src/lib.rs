@@ -39,12 +39,18 @@
 //!   no per-selection sort; a catalog change copies the previous roster's pointers and
 //!   replaces one worker (register + delete with 10,000 workers: 1.9 ms, was 64 ms when
 //!   every record was rebuilt).
+//! - Each roster row carries the ledger slot of its rank (bound at publish), so building the
+//!   candidate table reads loads by index, not by key.
 //! - Cost (`cargo bench -p benches --bench service`, default event-driven config, block size
-//!   16, quiet 2-core machine): select_and_reserve + free takes 3.4 / 6.6 µs with 8 workers
-//!   (256 / 4,096-token prompts), 11.2 / 15.5 µs with 128 and 37 / 45 µs with 512; select
-//!   alone over 128 workers and 4,096 tokens 12.5 µs. Per candidate rank the table and the
-//!   policy cost ≈ 65 ns, most of it the ledger's per-rank lookup; hashing a 4,096-token
-//!   prompt ≈ 2.5 µs and the index walk ≈ 1.5 µs are fixed.
+//!   16, 2-core VM, criterion medians): select_and_reserve + free takes 3.1 / 5.9 µs with 8
+//!   workers (256 / 4,096-token prompts), 7.6 / 11.4 µs with 128 and 22 / 25 µs with 512;
+//!   select alone over 128 workers and 4,096 tokens 9.8 µs (before the ledger slots and the
+//!   fixed-size hashing: 3.4 / 6.6, 11.2 / 15.5, 37 / 45 and 12.5 µs). Hashing a
+//!   4,096-token prompt (block hashes and the public chain in one pass) ≈ 2.2 µs and the
+//!   index walk ≈ 1.2–1.5 µs are fixed; per candidate rank the table and the policy cost
+//!   ≈ 35–45 ns (was ≈ 65). The 5 µs for 4,096 tokens over 128 workers is not
+//!   reached: hashing alone is bound by its seven multiplies per block (five of them
+//!   64×64→128-bit).
 //! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
 //!   extended by host_pinned continuations, and sources whose prefix runs past it are not
 //!   eligible. Policy files are parsed by the app; the core takes the resulting

@@ -312,8 +312,12 @@ struct Server {
 
 impl Server {
     fn start(args: &[&str]) -> Server {
+        Self::start_with_env(args, &[])
+    }
+
+    fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let (child, port) =
-            spawn_on_free_port(args, &[], |_| Stdio::null()).expect("server listens within 20 s");
+            spawn_on_free_port(args, env, |_| Stdio::null()).expect("server listens within 20 s");
         Server { child, port }
     }
 
@@ -399,6 +403,76 @@ fn the_binary_enforces_full_and_read_only_tokens() {
         s.call("POST", "/select", Some(FULL_A), Some(&select)).0,
         200
     );
+}
+
+#[test]
+fn peer_token_files_load_redacted_and_need_peers() {
+    let file = temp_file(format!("# for the peers\n{FULL_A}\n{FULL_B}\n").as_bytes());
+    let cfg = parse(&[
+        "--indexer-peers",
+        "http://a:1",
+        "--indexer-peers-token-file",
+        file.to_str().unwrap(),
+    ])
+    .unwrap();
+    let token = cfg.indexer_peers_token.as_ref().unwrap();
+    assert_eq!(token.header_value(), format!("Bearer {FULL_A}"));
+    assert!(!format!("{cfg:?}").contains(FULL_A));
+
+    let msg = parse_err(&["--indexer-peers-token-file", file.to_str().unwrap()]);
+    assert!(msg.contains("--indexer-peers"), "{msg}");
+    let short = temp_file(b"short\n");
+    let msg = parse_err(&[
+        "--indexer-peers",
+        "http://a:1",
+        "--indexer-peers-token-file",
+        short.to_str().unwrap(),
+    ]);
+    assert!(
+        msg.contains("--indexer-peers-token-file") && msg.contains("line 1"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn startup_recovery_presents_the_peer_token() {
+    // Approximate mode: a booking records its blocks in the index, no engine needed.
+    let env = [("DYN_ROUTER_USE_KV_EVENTS", "false")];
+    let tokens = temp_file(format!("{FULL_A}\n").as_bytes());
+    let tokens = tokens.to_str().unwrap();
+    let a = Server::start_with_env(&["--auth-token-file", tokens], &env);
+    let record = json!({"worker_id": 1, "endpoint": "http://w1", "block_size": 4});
+    assert_eq!(
+        a.call("POST", "/workers", Some(FULL_A), Some(&record)).0,
+        201
+    );
+    let booking = json!({"token_ids": (0..32).collect::<Vec<u32>>()});
+    assert_eq!(
+        a.call("POST", "/select_and_reserve", Some(FULL_A), Some(&booking))
+            .0,
+        200
+    );
+    let (status, _, dump) = a.call("GET", "/dump", Some(FULL_A), None);
+    assert_eq!(status, 200);
+    assert!(dump.to_string().contains("events"), "{dump}");
+
+    let peers = format!("http://127.0.0.1:{}", a.port);
+    let with = Server::start_with_env(
+        &[
+            "--indexer-peers",
+            &peers,
+            "--indexer-peers-token-file",
+            tokens,
+            "--auth-token-file",
+            tokens,
+        ],
+        &env,
+    );
+    assert_eq!(with.call("GET", "/dump", Some(FULL_A), None).2, dump);
+
+    // Without the token the peer answers 401: logged, and the server starts empty.
+    let without = Server::start_with_env(&["--indexer-peers", &peers], &env);
+    assert_ne!(without.call("GET", "/dump", None, None).2, dump);
 }
 
 #[test]
