@@ -423,13 +423,20 @@ impl KvIndex {
         self.primary.find_matches(query, &mut out.device);
         out.hits.clear();
         out.conts.clear();
-        for e in out.device.entries() {
-            out.hits.push(TierHits {
+        out.hits
+            .extend(out.device.entries().iter().map(|e| TierHits {
                 worker: e.worker,
                 device: e.matched_blocks,
                 ..TierHits::default()
-            });
-            out.conts.push((e.matched_blocks, Some(e.last_external)));
+            }));
+        // Continuations only feed the lower-tier walks.
+        if self.lower.iter().any(Option::is_some) {
+            out.conts.extend(
+                out.device
+                    .entries()
+                    .iter()
+                    .map(|e| (e.matched_blocks, Some(e.last_external))),
+            );
         }
         if let Some(&first) = query.first() {
             let len = u32::try_from(query.len()).unwrap_or(u32::MAX);

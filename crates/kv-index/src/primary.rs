@@ -217,6 +217,9 @@ pub struct OverlapScores {
     active: Vec<u32>,
     /// Scratch: primary entries while the side index answers into `entries`.
     spare: Vec<OverlapEntry>,
+    /// The index's worker slot of each entry, as the last `find_matches` left them (cleared
+    /// by anything that merges other entries in, so never misaligned).
+    slots: Vec<u32>,
 }
 
 impl OverlapScores {
@@ -247,11 +250,19 @@ impl OverlapScores {
 
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.slots.clear();
+    }
+
+    /// Worker slots aligned with [`Self::entries`] when they came straight from one
+    /// lookup; empty after a merge.
+    pub(crate) fn slots(&self) -> &[u32] {
+        &self.slots
     }
 
     /// Merges another score set by per-worker max (the side index of §6). Workers only in
     /// `other` are added.
     pub fn merge_max(&mut self, other: &OverlapScores) {
+        self.slots.clear();
         for o in &other.entries {
             match self.entries.iter_mut().find(|e| e.worker == o.worker) {
                 Some(e) if e.matched_blocks < o.matched_blocks => *e = *o,
@@ -263,12 +274,14 @@ impl OverlapScores {
 
     /// Moves the current entries aside (into the spare buffer) before a second query.
     pub(crate) fn stash(&mut self) {
+        self.slots.clear();
         self.spare.clear();
         std::mem::swap(&mut self.entries, &mut self.spare);
     }
 
     /// Merges the stashed entries back by per-worker max; stashed entries win ties.
     pub(crate) fn merge_stash(&mut self) {
+        self.slots.clear();
         for p in self.spare.drain(..) {
             match self.entries.iter_mut().find(|e| e.worker == p.worker) {
                 Some(e) if e.matched_blocks <= p.matched_blocks => *e = p,
@@ -567,6 +580,7 @@ impl PrefixIndex {
     /// and the walk stops as soon as it is empty.
     pub fn find_matches(&self, query: &[BlockHash], out: &mut OverlapScores) {
         out.entries.clear();
+        out.slots.clear();
         out.active.clear();
         let Some(first) = query.first() else {
             return;
@@ -629,7 +643,7 @@ impl PrefixIndex {
             let owners = nodes[next as usize].owners.as_slice();
             if owners != out.active.as_slice() {
                 let last_external = ExternalHash(n.external);
-                let entries = &mut out.entries;
+                let (entries, slots) = (&mut out.entries, &mut out.slots);
                 let workers = &self.workers;
                 retain_intersection(&mut out.active, owners, |slot| {
                     if let Some(state) = workers[slot as usize].as_ref() {
@@ -638,6 +652,7 @@ impl PrefixIndex {
                             matched_blocks: depth,
                             last_external,
                         });
+                        slots.push(slot);
                     }
                 });
                 if out.active.is_empty() {
@@ -655,6 +670,7 @@ impl PrefixIndex {
                     matched_blocks: depth,
                     last_external,
                 });
+                out.slots.push(slot);
             }
         }
         out.active.clear();

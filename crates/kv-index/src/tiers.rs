@@ -116,6 +116,14 @@ impl TieredMatches {
         &self.hits
     }
 
+    /// This index's internal worker slot of each of the first `hit_slots().len()` hits (the
+    /// ones found on the device tier); later hits, and all hits when a side index merged
+    /// in, have none. A slot is reused after its worker leaves the index, so it is a cache
+    /// key to check against the hit's worker, never an identity.
+    pub fn hit_slots(&self) -> &[u32] {
+        self.device.slots()
+    }
+
     pub fn get(&self, worker: WorkerKey) -> Option<&TierHits> {
         self.hits.iter().find(|h| h.worker == worker)
     }
