@@ -89,8 +89,9 @@ pub fn block_hashes_into(
 /// (both cleared first) end up exactly as the two calls would leave them.
 ///
 /// The chain is serial (each link waits for the previous multiply), while window hashes
-/// are independent; computing them in the same loop lets the CPU overlap the chain's
-/// latency with the next window's hash instead of paying the two passes back to back.
+/// are independent; for the default block size (16, no Eagle, no multimodal objects) one
+/// loop computes both, so the CPU overlaps the chain's latency with the next window's hash
+/// instead of paying two passes back to back. Other shapes take the two passes.
 pub fn prompt_hashes_into(
     tokens: &[u32],
     block_size: u32,
@@ -99,15 +100,15 @@ pub fn prompt_hashes_into(
     seqs: &mut Vec<SequenceHash>,
 ) {
     const CHAIN: Xxh3Seeded = Xxh3Seeded::new(CHAIN_SEED);
-    blocks.clear();
-    seqs.clear();
-    let seed = block_seed(opts.lora_name, opts.cache_salt);
-    let n = window_count(tokens.len(), block_size, opts.is_eagle);
     if block_size == 16 && !opts.is_eagle && opts.block_mm_infos.is_empty() {
+        let seed = block_seed(opts.lora_name, opts.cache_salt);
+        let n = window_count(tokens.len(), block_size, false);
         // The default block size without multimodal objects: disjoint 64-byte windows
         // written in place (no per-block capacity checks; this loop is most of a
         // selection's fixed cost).
         let xxh = Xxh3Seeded::new(seed);
+        blocks.clear();
+        seqs.clear();
         blocks.resize(n, BlockHash(0));
         seqs.resize(n, SequenceHash(0));
         let mut prev: Option<u64> = None;
@@ -126,25 +127,9 @@ pub fn prompt_hashes_into(
         }
         return;
     }
-    blocks.reserve(n);
-    seqs.reserve(n);
-    let mut prev: Option<u64> = None;
-    for_each_window_hash(
-        tokens,
-        block_size,
-        opts.is_eagle,
-        opts.block_mm_infos,
-        seed,
-        |h| {
-            blocks.push(BlockHash(h));
-            let link = match prev {
-                None => h,
-                Some(p) => CHAIN.hash_two_words(p, h),
-            };
-            seqs.push(SequenceHash(link));
-            prev = Some(link);
-        },
-    );
+    // Other block sizes, Eagle windows and multimodal blocks: the two passes.
+    block_hashes_into(tokens, block_size, opts, blocks);
+    sequence_hashes_into(blocks, seqs);
 }
 
 /// Convenience wrapper of [`block_hashes_into`] returning a new vector.
