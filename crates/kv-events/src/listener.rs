@@ -227,6 +227,13 @@ impl KvEventListener {
         self.shutdown();
     }
 
+    /// Tells the thread to stop without waiting for it. Stopping many listeners: request
+    /// every stop first, then [`Self::stop`] each, so the waits overlap (one poll slice in
+    /// all instead of one per listener).
+    pub fn request_stop(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+    }
+
     fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take()

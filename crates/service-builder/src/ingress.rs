@@ -174,16 +174,12 @@ impl Ingress {
                 .filter_map(|k| listeners.remove(&k))
                 .collect()
         };
-        for r in stopped {
-            r.listener.stop();
-        }
+        stop_together(stopped);
     }
 
     pub(crate) fn stop_all(&self) {
         let all: Vec<Registered> = self.listeners.lock().drain().map(|(_, r)| r).collect();
-        for r in all {
-            r.listener.stop();
-        }
+        stop_together(all);
     }
 
     /// Operator-visible problems of a worker's listeners.
@@ -229,6 +225,24 @@ impl Ingress {
 /// The contract's wording of an invalid endpoint (http-api §4.2).
 fn check_endpoint(ep: &str) -> Result<(), String> {
     kv_types::validate_endpoint(ep).map_err(|e| e.to_string())
+}
+
+impl Drop for Ingress {
+    fn drop(&mut self) {
+        // A core dropped without `shutdown` must not pay one poll slice per listener either.
+        self.stop_all();
+    }
+}
+
+/// Stops listeners with overlapping waits: each needs up to one poll slice to notice, so
+/// stopping hundreds one after another took tens of seconds.
+fn stop_together(listeners: Vec<Registered>) {
+    for r in &listeners {
+        r.listener.request_stop();
+    }
+    for r in listeners {
+        r.listener.stop();
+    }
 }
 
 #[cfg(test)]
