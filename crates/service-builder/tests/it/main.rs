@@ -530,13 +530,19 @@ fn free_port() -> u16 {
         .port()
 }
 
-#[test]
-fn engine_events_over_zmq_steer_selection() {
+/// A PUB socket bound on a free loopback port, and its endpoint (the context must outlive
+/// the socket, so it is returned too).
+fn bound_publisher() -> (zmq::Context, zmq::Socket, String) {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::PUB).unwrap();
-    let port = free_port();
-    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
     publisher.bind(&endpoint).unwrap();
+    (ctx, publisher, endpoint)
+}
+
+#[test]
+fn engine_events_over_zmq_steer_selection() {
+    let (_ctx, publisher, endpoint) = bound_publisher();
 
     let config = CoreConfig {
         rng_seed: Some(3),
@@ -1514,10 +1520,7 @@ fn overlap_is_looked_up_again_after_a_long_enough_wait() {
 /// seconds; they must be told together.
 #[test]
 fn shutdown_with_hundreds_of_listeners_is_prompt() {
-    let ctx = zmq::Context::new();
-    let publisher = ctx.socket(zmq::PUB).unwrap();
-    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-    publisher.bind(&endpoint).unwrap();
+    let (_ctx, _publisher, endpoint) = bound_publisher();
     let c = core(CoreConfig::default());
     for id in 1..=150u64 {
         c.upsert_worker(WorkerRequest {

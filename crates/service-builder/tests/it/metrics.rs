@@ -10,7 +10,7 @@ use service_builder::{
     WorkerRequest,
 };
 
-use super::{core, encode_stored_batch, free_port, hash_only, select, tokens, worker};
+use super::{bound_publisher, core, encode_stored_batch, hash_only, select, tokens, worker};
 
 fn encode(registry: &Registry) -> String {
     let mut text = String::new();
@@ -28,10 +28,7 @@ fn has(text: &str, line: &str) {
 
 #[test]
 fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() {
-    let ctx = zmq::Context::new();
-    let publisher = ctx.socket(zmq::PUB).unwrap();
-    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-    publisher.bind(&endpoint).unwrap();
+    let (_ctx, publisher, endpoint) = bound_publisher();
     let c = core(CoreConfig {
         rng_seed: Some(3),
         ..CoreConfig::default()
