@@ -30,7 +30,8 @@
 //!   [`DropReason`] in [`ListenerStats`] and logged rate-limited. Only a failure of the live
 //!   socket itself ends it ([`ListenerState::Failed`]).
 //! - Dropping a [`KvEventListener`] stops its thread (within one 100 ms poll slice) and closes
-//!   its sockets (linger 0).
+//!   its sockets (linger 0). Callers stopping many call [`KvEventListener::request_stop`] on
+//!   all of them first, so the slices overlap.
 //!
 //! # Design choices
 //! - msgpack is read with `rmp`'s marker and length primitives, not `rmpv::Value` trees:

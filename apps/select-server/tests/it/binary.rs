@@ -50,7 +50,8 @@ impl Drop for Server {
     }
 }
 
-fn stored_batch(hashes: &[u64], tokens: &[u32], block_size: u32) -> Vec<u8> {
+/// `[0.0, [["BlockStored", hashes, nil, tokens, block_size]], nil]`: one root chain.
+pub(crate) fn stored_batch(hashes: &[u64], tokens: &[u32], block_size: u32) -> Vec<u8> {
     let mut b = Vec::new();
     rmp::encode::write_array_len(&mut b, 3).unwrap();
     rmp::encode::write_f64(&mut b, 0.0).unwrap();

@@ -195,24 +195,7 @@ fn publish(s: &zmq::Socket, seq: u64, payload: &[u8]) {
 
 /// `[0.0, [["BlockStored", hashes, nil, tokens, 4]], nil]`: one root chain, block size 4.
 fn stored(hashes: &[u64], tokens: &[u32]) -> Vec<u8> {
-    let mut b = Vec::new();
-    rmp::encode::write_array_len(&mut b, 3).unwrap();
-    rmp::encode::write_f64(&mut b, 0.0).unwrap();
-    rmp::encode::write_array_len(&mut b, 1).unwrap();
-    rmp::encode::write_array_len(&mut b, 5).unwrap();
-    rmp::encode::write_str(&mut b, "BlockStored").unwrap();
-    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
-    for &h in hashes {
-        rmp::encode::write_uint(&mut b, h).unwrap();
-    }
-    rmp::encode::write_nil(&mut b).unwrap();
-    rmp::encode::write_array_len(&mut b, tokens.len() as u32).unwrap();
-    for &t in tokens {
-        rmp::encode::write_uint(&mut b, u64::from(t)).unwrap();
-    }
-    rmp::encode::write_uint(&mut b, 4).unwrap();
-    rmp::encode::write_nil(&mut b).unwrap();
-    b
+    crate::binary::stored_batch(hashes, tokens, 4)
 }
 
 /// Four blocks: hashes `first..first + 4`, tokens `first * 16 ..` (distinct per chain).
