@@ -60,6 +60,14 @@ struct Args {
     /// release build first.
     #[arg(long)]
     debug_client: bool,
+    /// Drive a minimal hyper server instead of select-server: it reads each body and answers
+    /// a fixed selection. Its figures are the ceiling that this machine's loopback TCP, hyper
+    /// and the load generator allow, whatever the server computes.
+    #[arg(long, conflicts_with_all = ["binary", "perf"])]
+    ceiling: bool,
+    /// Internal: serve the ceiling server on this address until killed.
+    #[arg(long, hide = true, value_name = "ADDR")]
+    serve_ceiling: Option<SocketAddr>,
 }
 
 /// Entry point of `cargo xtask bench http ARGS`.
@@ -73,6 +81,9 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         !args.connections.is_empty() && args.connections.iter().all(|&c| c > 0),
         "--connections must list positive counts"
     );
+    if let Some(addr) = args.serve_ceiling {
+        return serve_ceiling(addr);
+    }
     if cfg!(debug_assertions) && !args.debug_client {
         // `cargo xtask` builds the xtask with opt-level 1 dependencies; a load generator
         // built that way spends several times the CPU of a release one per request, and on
@@ -81,19 +92,23 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         rerun.extend(args_as_given.iter().map(String::as_str));
         return crate::cargo(&rerun, &[]);
     }
-    let binary = match &args.binary {
-        Some(path) => path.clone(),
-        None => {
-            crate::cargo(&["build", "--release", "-p", "select-server"], &[])?;
-            crate::root().join("target/release/select-server")
-        }
+    let server = if args.ceiling {
+        ServerProcess::start_ceiling()?
+    } else {
+        let binary = match &args.binary {
+            Some(path) => path.clone(),
+            None => {
+                crate::cargo(&["build", "--release", "-p", "select-server"], &[])?;
+                crate::root().join("target/release/select-server")
+            }
+        };
+        ServerProcess::start(&binary)?
     };
-    let server = ServerProcess::start(&binary)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("failed to start the client runtime")?;
-    let results = runtime.block_on(drive(&args, &server))?;
+    let results = runtime.block_on(drive(&args, &server, !args.ceiling))?;
     print_results(&results);
     Ok(())
 }
@@ -135,14 +150,21 @@ impl RunResult {
     }
 }
 
-async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
+async fn drive(args: &Args, server: &ServerProcess, real: bool) -> Result<Vec<RunResult>> {
     let addr = server.addr;
-    let prefixes = populate(addr).await?;
+    let prefixes = if real {
+        populate(addr).await?
+    } else {
+        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+        (0..WORKERS)
+            .map(|_| (0..PROMPT_TOKENS).map(|_| rng.token()).collect())
+            .collect()
+    };
     let bodies = Arc::new(request_bodies(&prefixes));
-    // The cache must actually be hit, or the index walk is not exercised.
     let mut probe = connect(addr).await?;
     let (status, answer) = call(&mut probe, Method::POST, "/select", bodies[0].clone()).await?;
     ensure!(status == StatusCode::OK, "probe /select: {status} {answer}");
+    // The cache must actually be hit, or the index walk is not exercised.
     let gpu = answer["overlap"]["gpu"].as_u64().unwrap_or(0);
     ensure!(gpu > 0, "probe /select found no cached blocks: {answer}");
     eprintln!(
@@ -435,20 +457,32 @@ impl ServerProcess {
         args: &[&str],
         envs: &[(&str, &str)],
     ) -> Result<Self> {
-        let port = StdListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .context("no free loopback port")?
-            .port();
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let child = Command::new(binary)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        let addr = free_loopback_addr()?;
+        let mut command = Command::new(binary);
+        command
+            .args(["--host", "127.0.0.1", "--port", &addr.port().to_string()])
             .args(args)
             .envs(envs.iter().copied())
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "warn");
+        Self::spawn(command, addr)
+    }
+
+    /// Starts this xtask's ceiling server (`--serve-ceiling`) on a free loopback port.
+    fn start_ceiling() -> Result<Self> {
+        let addr = free_loopback_addr()?;
+        let exe = std::env::current_exe().context("cannot locate the running xtask")?;
+        let mut command = Command::new(exe);
+        command.args(["bench", "http", "--serve-ceiling", &addr.to_string()]);
+        Self::spawn(command, addr)
+    }
+
+    /// Spawns `command` and waits until `addr` accepts connections.
+    fn spawn(mut command: Command, addr: SocketAddr) -> Result<Self> {
+        let child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
-            .with_context(|| format!("failed to start {}", binary.display()))?;
+            .with_context(|| format!("failed to start {:?}", command.get_program()))?;
         let mut server = ServerProcess { child, addr };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -457,10 +491,10 @@ impl ServerProcess {
                 return Ok(server);
             }
             if let Some(status) = server.child.try_wait()? {
-                bail!("select-server exited during startup ({status})");
+                bail!("the server exited during startup ({status})");
             }
             if Instant::now() > deadline {
-                bail!("select-server did not listen on {addr} within 20 s");
+                bail!("the server did not listen on {addr} within 20 s");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -474,6 +508,66 @@ impl ServerProcess {
     pub(crate) fn cpu_time(&self) -> Option<Duration> {
         process_cpu_time(self.pid())
     }
+}
+
+/// A loopback address whose port was free a moment ago.
+fn free_loopback_addr() -> Result<SocketAddr> {
+    let port = StdListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .context("no free loopback port")?
+        .port();
+    Ok(SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+/// A `/select` answer of the shape and size select-server gives for these bodies.
+const CEILING_ANSWER: &str = concat!(
+    r#"{"worker_id":0,"dp_rank":0,"overlap":{"gpu":512,"host":0,"disk":0,"#,
+    r#""dp":{"0":512}},"effective_prefill_tokens":1536,"potential_decode_blocks":128,"#,
+    r#""worker_load":{"active_prefill_tokens":0,"prefill_token_capacity":1000000,"#,
+    r#""total_kv_blocks":1000000}}"#
+);
+
+/// The ceiling server: the runtime shape of select-server (multi-threaded tokio, 4 workers,
+/// hyper HTTP/1.1 per connection), reading every body whole and answering
+/// [`CEILING_ANSWER`]. Runs until the process is killed.
+fn serve_ceiling(addr: SocketAddr) -> Result<()> {
+    use hyper::server::conn::http1;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .context("failed to start the ceiling server's runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("bind {addr}"))?;
+        loop {
+            let (stream, _) = listener.accept().await.context("accept")?;
+            stream.set_nodelay(true)?;
+            let service = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async {
+                let body = req.into_body().collect().await?.to_bytes();
+                let status = if body.is_empty() {
+                    StatusCode::BAD_REQUEST
+                } else {
+                    StatusCode::OK
+                };
+                let mut resp =
+                    hyper::Response::new(Full::new(Bytes::from_static(CEILING_ANSWER.as_bytes())));
+                *resp.status_mut() = status;
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/json"),
+                );
+                Ok::<_, hyper::Error>(resp)
+            });
+            tokio::spawn(async move {
+                // A connection ends when the load generator drops it.
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    })
 }
 
 /// User + system CPU time of process `pid` so far, from `/proc/<pid>/stat` (fields 14 and
@@ -567,5 +661,21 @@ mod tests {
         assert_eq!((a.seconds, a.connections), (3, vec![1, 4, 16]));
         let d = Args::try_parse_from(["x"]).unwrap();
         assert_eq!((d.seconds, d.connections), (10, vec![1, 16]));
+        assert!(!d.ceiling && d.serve_ceiling.is_none());
+        assert!(Args::try_parse_from(["x", "--ceiling"]).unwrap().ceiling);
+        // The ceiling server is the xtask's own: no other binary, no server profile.
+        assert!(Args::try_parse_from(["x", "--ceiling", "--binary", "/bin/true"]).is_err());
+        let serve = Args::try_parse_from(["x", "--serve-ceiling", "127.0.0.1:9"]).unwrap();
+        assert_eq!(
+            serve.serve_ceiling,
+            Some(SocketAddr::from(([127, 0, 0, 1], 9)))
+        );
+    }
+
+    #[test]
+    fn ceiling_server_answers_a_selection_shaped_json() {
+        let answer: Value = serde_json::from_str(CEILING_ANSWER).unwrap();
+        assert!(answer["overlap"]["gpu"].as_u64().unwrap() > 0);
+        assert!(answer["worker_id"].is_u64());
     }
 }

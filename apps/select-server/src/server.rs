@@ -32,6 +32,11 @@ pub async fn serve<B: Backend>(
                 }
             },
         };
+        // Answers are single writes that a client waits for: Nagle's algorithm could only
+        // hold one back behind a delayed ACK.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "cannot disable Nagle's algorithm");
+        }
         let routes = routes.clone();
         let service = hyper::service::service_fn(move |req| {
             let mut routes = routes.clone();
