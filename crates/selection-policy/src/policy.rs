@@ -289,6 +289,9 @@ impl Policy {
         Ok(self.describe(ctx, input_row, chosen, cost))
     }
 
+    // Inlined: returned through a stack slot, the struct was written with narrow stores and
+    // copied out with wide loads, which stalled on store forwarding.
+    #[inline(always)]
     fn describe(
         &self,
         ctx: &SelectionContext<'_>,
