@@ -320,8 +320,12 @@ impl SelectionCore {
         self.replica.read().clone()
     }
 
-    fn publish_replica(&self, event: replica_sync::ReplicaEvent) {
-        crate::replica::publish(self.mesh().as_ref(), event);
+    /// Publishes the event `make` builds; without replica sync nothing is built (events own
+    /// their strings, and this runs on every reservation call).
+    fn publish_replica_with(&self, make: impl FnOnce() -> replica_sync::ReplicaEvent) {
+        if let Some(mesh) = self.mesh() {
+            crate::replica::publish(Some(&mesh), make());
+        }
     }
 
     /// Counters of peer events, applied and dropped by reason.
@@ -775,16 +779,14 @@ impl SelectionCore {
     ) -> Result<SelectResponse, SelectionError> {
         self.check_running()?;
         let partition = self.ready_partition(&req.partition)?;
-        let selection_id = match (&req.selection_id, book) {
-            (Some(id), _) => Some(id.clone()),
+        let selection_id = match (req.selection_id.take(), book) {
+            (Some(id), _) => Some(id),
             (None, true) => Some(new_uuid_v4(&self.rng_seed)),
             (None, false) => None,
         };
-        let claim = if book {
-            let id = selection_id.clone().unwrap_or_default();
-            Some(self.claim(&id, &partition)?)
-        } else {
-            None
+        let claim = match (&selection_id, book) {
+            (Some(id), true) => Some(self.claim(id, &partition)?),
+            _ => None,
         };
         let session_id = session_of(&req);
         let mut session = SessionGuard::none();
@@ -1422,7 +1424,11 @@ impl SelectionCore {
 
     // ---------------------------------------------------------------- reservations
 
-    fn claim(&self, id: &str, partition: &Arc<Partition>) -> Result<Claim<'_>, SelectionError> {
+    fn claim<'a>(
+        &'a self,
+        id: &'a str,
+        partition: &Arc<Partition>,
+    ) -> Result<Claim<'a>, SelectionError> {
         let mut rows = self.reservations.lock();
         if rows.contains_key(id) {
             return Err(SelectionError::conflict(format!(
@@ -1452,7 +1458,7 @@ impl SelectionCore {
         );
         Ok(Claim {
             core: self,
-            id: id.to_owned(),
+            id,
             installed: AtomicBool::new(false),
         })
     }
@@ -1722,13 +1728,15 @@ impl SelectionCore {
         self.recheck_queue(&partition);
         // Re-published on repeats too, so peers that missed it converge.
         if let Some(worker) = worker {
-            self.publish_replica(crate::replica::sequence_event(
-                &partition,
-                id,
-                worker,
-                None,
-                replica_sync::SequenceEventKind::MarkPrefillCompleted,
-            ));
+            self.publish_replica_with(|| {
+                crate::replica::sequence_event(
+                    &partition,
+                    id,
+                    worker,
+                    None,
+                    replica_sync::SequenceEventKind::MarkPrefillCompleted,
+                )
+            });
         }
         Ok(())
     }
@@ -1760,13 +1768,15 @@ impl SelectionCore {
         let freed = out?;
         self.metrics.frees.inc();
         self.recheck_queue(&partition);
-        self.publish_replica(crate::replica::sequence_event(
-            &partition,
-            id,
-            freed.worker,
-            None,
-            replica_sync::SequenceEventKind::Free,
-        ));
+        self.publish_replica_with(|| {
+            crate::replica::sequence_event(
+                &partition,
+                id,
+                freed.worker,
+                None,
+                replica_sync::SequenceEventKind::Free,
+            )
+        });
         Ok(())
     }
 
@@ -2094,7 +2104,7 @@ struct Booking<'a> {
 /// An id claimed in the reservation index; released on drop unless installed.
 struct Claim<'a> {
     core: &'a SelectionCore,
-    id: String,
+    id: &'a str,
     installed: AtomicBool,
 }
 
@@ -2104,7 +2114,7 @@ impl Claim<'_> {
     }
 
     fn install_with_session(&self, session: Option<String>) {
-        if let Some(row) = self.core.reservations.lock().get_mut(&self.id) {
+        if let Some(row) = self.core.reservations.lock().get_mut(self.id) {
             row.state = RowState::Booked;
             row.session = session;
         }
@@ -2234,13 +2244,13 @@ impl Drop for Claim<'_> {
         if !self.installed.load(Ordering::Relaxed) {
             let mut rows = self.core.reservations.lock();
             if matches!(
-                rows.get(&self.id),
+                rows.get(self.id),
                 Some(ReservationRow {
                     state: RowState::Claimed,
                     ..
                 })
             ) {
-                rows.remove(&self.id);
+                rows.remove(self.id);
             }
         }
     }
