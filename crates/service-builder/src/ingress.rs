@@ -3,12 +3,13 @@
 //!
 //! A rank whose endpoint and replay endpoint are unchanged keeps its listener, watermark and
 //! indexed blocks; every other rank of the previous record is stopped and its blocks
-//! dropped; new ranks get a fresh listener. All listeners share one ZMQ context (one I/O
-//! thread for hundreds of sockets).
+//! dropped; new ranks get a fresh listener. Listeners share ZMQ contexts (one I/O thread
+//! for hundreds of sockets), at most [`LISTENERS_PER_CONTEXT`] per context: libzmq caps a
+//! context at 1,023 sockets.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kv_events::{KvEventListener, ListenerConfig, ListenerState, ListenerStats};
@@ -29,11 +30,87 @@ struct Registered {
     replay_endpoint: Option<String>,
     partition: Arc<Partition>,
     listener: KvEventListener,
+    /// Dropped after the listener (declaration order): its sockets are closed by then.
+    _context: ContextLease,
+}
+
+/// Listeners given one ZMQ context. libzmq refuses a context's 1,024th socket
+/// (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise) with EMFILE, and a listener holds
+/// up to two (its SUB socket and, during a replay, a DEALER); with a single context every
+/// registration past about 1,000 (worker, rank) listeners failed with "Too many open files"
+/// whatever the process's descriptor limit.
+const LISTENERS_PER_CONTEXT: usize = 500;
+
+/// ZMQ contexts shared by listeners, each holding at most `cap` of them.
+#[derive(Debug)]
+struct ContextPool {
+    cap: usize,
+    slots: Mutex<Vec<Arc<ContextSlot>>>,
+}
+
+struct ContextSlot {
+    ctx: zmq::Context,
+    listeners: AtomicUsize,
+}
+
+impl std::fmt::Debug for ContextSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContextSlot")
+            .field("listeners", &self.listeners.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+/// One listener's place in a context; gives it back when dropped.
+#[derive(Debug)]
+struct ContextLease(Arc<ContextSlot>);
+
+impl Drop for ContextLease {
+    fn drop(&mut self) {
+        self.0.listeners.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl ContextPool {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap: cap.max(1),
+            slots: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A place in the first context with room, or in a new context (its I/O thread starts
+    /// with its first socket). Contexts are kept once made: two idle threads each.
+    fn lease(&self) -> ContextLease {
+        let mut slots = self.slots.lock();
+        // Counts only grow under this lock, so a slot seen with room keeps it.
+        let slot = match slots
+            .iter()
+            .find(|s| s.listeners.load(Ordering::Acquire) < self.cap)
+        {
+            Some(s) => Arc::clone(s),
+            None => {
+                let s = Arc::new(ContextSlot {
+                    ctx: zmq::Context::new(),
+                    listeners: AtomicUsize::new(0),
+                });
+                slots.push(Arc::clone(&s));
+                s
+            }
+        };
+        slot.listeners.fetch_add(1, Ordering::AcqRel);
+        ContextLease(slot)
+    }
+
+    #[cfg(test)]
+    fn contexts(&self) -> usize {
+        self.slots.lock().len()
+    }
 }
 
 /// The set of running listeners.
 pub(crate) struct Ingress {
-    ctx: zmq::Context,
+    contexts: ContextPool,
     sink: Arc<dyn IngressSink>,
     replay_timeout: Duration,
     listeners: Mutex<HashMap<WorkerKey, Registered>>,
@@ -52,7 +129,7 @@ impl std::fmt::Debug for Ingress {
 impl Ingress {
     pub(crate) fn new(sink: Arc<dyn IngressSink>, replay_timeout: Duration) -> Self {
         Self {
-            ctx: zmq::Context::new(),
+            contexts: ContextPool::new(LISTENERS_PER_CONTEXT),
             sink,
             replay_timeout,
             listeners: Mutex::new(HashMap::new()),
@@ -135,7 +212,8 @@ impl Ingress {
             let sink = Arc::clone(&self.sink);
             let pk = partition.key.clone();
             let apply = move |ops: &[KvOperation]| sink.apply(&pk, ops);
-            match KvEventListener::start_in(&self.ctx, cfg, Arc::new(apply)) {
+            let lease = self.contexts.lease();
+            match KvEventListener::start_in(&lease.0.ctx, cfg, Arc::new(apply)) {
                 Ok(l) => {
                     started.insert(
                         key,
@@ -144,6 +222,7 @@ impl Ingress {
                             replay_endpoint: record.replay_endpoint.clone(),
                             partition: Arc::clone(partition),
                             listener: l,
+                            _context: lease,
                         },
                     );
                 }
@@ -247,7 +326,30 @@ fn stop_together(listeners: Vec<Registered>) {
 
 #[cfg(test)]
 mod tests {
-    use super::check_endpoint;
+    use super::{ContextPool, check_endpoint};
+
+    #[test]
+    fn contexts_fill_up_to_the_cap_and_reuse_freed_places() {
+        let pool = ContextPool::new(2);
+        let leases: Vec<_> = (0..5).map(|_| pool.lease()).collect();
+        assert_eq!(pool.contexts(), 3);
+        let same = |a: usize, b: usize| std::sync::Arc::ptr_eq(&leases[a].0, &leases[b].0);
+        assert!(same(0, 1) && same(2, 3) && !same(1, 2) && !same(3, 4));
+        let mut leases = leases;
+        // A place freed in the first context is the next one given, without a new context.
+        let freed = std::sync::Arc::clone(&leases[1].0);
+        drop(leases.remove(1));
+        let again = pool.lease();
+        assert!(std::sync::Arc::ptr_eq(&again.0, &freed));
+        assert_eq!(pool.contexts(), 3);
+        let counts: Vec<usize> = pool
+            .slots
+            .lock()
+            .iter()
+            .map(|s| s.listeners.load(std::sync::atomic::Ordering::Relaxed))
+            .collect();
+        assert_eq!(counts, [2, 2, 1]);
+    }
 
     #[test]
     fn endpoint_errors_use_the_contract_wording() {

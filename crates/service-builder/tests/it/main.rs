@@ -1518,6 +1518,37 @@ fn overlap_is_looked_up_again_after_a_long_enough_wait() {
 /// The contract gives a graceful shutdown 5 s. Each listener needs up to one poll slice
 /// (100 ms) to notice a stop, so stopping hundreds of them one after another took tens of
 /// seconds; they must be told together.
+/// libzmq refuses a context's 1,024th socket: with one shared context, every event-driven
+/// registration past about a thousand listeners stayed `incomplete` ("Too many open files").
+#[test]
+fn more_than_a_thousand_event_driven_workers_all_get_listeners() {
+    // Each listener holds about three descriptors; embedders raise the limit as the server
+    // does at startup.
+    let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap();
+    if limit < 8_192 {
+        eprintln!("skipped: this machine's hard open-file limit is {limit} (< 8,192)");
+        return;
+    }
+    let (_ctx, _publisher, endpoint) = bound_publisher();
+    let c = core(CoreConfig::default());
+    for id in 1..=1_100u64 {
+        let record = c
+            .upsert_worker(WorkerRequest {
+                kv_events_endpoint: Some(endpoint.clone()),
+                ..worker(id)
+            })
+            .unwrap();
+        assert_eq!(
+            record.lifecycle,
+            Lifecycle::Schedulable,
+            "worker {id}: {record:?}"
+        );
+    }
+    let started = Instant::now();
+    c.shutdown();
+    assert!(started.elapsed() < Duration::from_secs(4));
+}
+
 #[test]
 fn shutdown_with_hundreds_of_listeners_is_prompt() {
     let (_ctx, _publisher, endpoint) = bound_publisher();
