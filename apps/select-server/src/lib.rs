@@ -59,6 +59,8 @@ pub use body::BodyLimits;
 pub use discovery::WorkersFileWatcher;
 pub use recovery::recover_from_peers;
 pub use routes::{EdgeOptions, HttpResponse, POLICY_CLASS_HEADER, Routes, error_response, router};
-pub use server::{WorkersFileError, read_workers_file, serve};
+pub use server::{
+    OpenFileLimit, WorkersFileError, raise_open_file_limit, read_workers_file, serve,
+};
 pub use service_backend::{ServiceBackend, build_service};
 pub use tokens::split_token_ids;

@@ -20,6 +20,13 @@ fn main() -> ExitCode {
     for warning in &cfg.warnings {
         tracing::warn!("{warning}");
     }
+    match select_server::raise_open_file_limit() {
+        Ok(l) if l.now > l.before => {
+            tracing::info!(from = l.before, to = l.now, "raised the open-file limit");
+        }
+        Ok(l) => tracing::debug!(limit = l.now, hard = l.hard, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot read or raise the open-file limit"),
+    }
     match run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -53,6 +53,32 @@ pub async fn serve<B: Backend>(
     }
 }
 
+/// The process's open-file limit around [`raise_open_file_limit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpenFileLimit {
+    /// Soft limit found at startup.
+    pub before: u64,
+    /// Soft limit now.
+    pub now: u64,
+    /// Hard limit (the most an unprivileged process may raise the soft limit to).
+    pub hard: u64,
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit.
+///
+/// Every KV-event listener holds about three descriptors (its SUB socket's mailbox, its TCP
+/// connection to the engine and the I/O thread's registration) and every HTTP client one
+/// more. With the soft limit many hosts start services with (1,024), an event-driven
+/// deployment runs out near 330 (worker, rank) listeners: the next registrations stay
+/// `incomplete` with "Too many open files". The hard limit is the operator's real choice
+/// (systemd `LimitNOFILE=`, `ulimit -H -n`), so the server takes all of it, as Go programs
+/// do by default.
+pub fn raise_open_file_limit() -> std::io::Result<OpenFileLimit> {
+    let (before, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE)?;
+    let now = rlimit::increase_nofile_limit(u64::MAX)?;
+    Ok(OpenFileLimit { before, now, hard })
+}
+
 /// Why `--workers-file` could not be loaded.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::http::{free_port, spawn_on_free_port};
+use crate::http::{free_port, spawn_on_free_port, wait_until_listening};
 
 struct Server {
     child: Child,
@@ -538,4 +538,58 @@ fn policy_file_classes_reach_the_queue_through_the_header() {
         &prompt(8),
     );
     assert_eq!(status, 200, "{body}");
+}
+
+/// The server raises its soft open-file limit to the hard one at startup: started with a
+/// soft limit of 256, it still gives 150 event-driven workers their KV-event listeners
+/// (about three descriptors each), where it used to leave most of them `incomplete` with
+/// "Too many open files".
+#[cfg(target_os = "linux")]
+#[test]
+fn startup_raises_the_open_file_limit() {
+    let (_, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE).unwrap();
+    if hard < 2_048 {
+        eprintln!("skipped: this machine's hard open-file limit is {hard} (< 2,048)");
+        return;
+    }
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let zport = free_port();
+    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let server = (0..3)
+        .find_map(|_| {
+            let port = free_port();
+            let child = Command::new("sh")
+                .arg("-c")
+                .arg(r#"ulimit -S -n 256 && exec "$0" "$@""#)
+                .arg(env!("CARGO_BIN_EXE_select-server"))
+                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            wait_until_listening(child, port).map(|child| Server { child, port })
+        })
+        .expect("server listens");
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", server.child.id())).unwrap();
+    let open_files: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        open_files[3], open_files[4],
+        "soft limit raised to the hard one: {limits}"
+    );
+    for id in 1..=150 {
+        let (status, record) = server.post(
+            "/workers",
+            json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 4,
+                   "kv_events_endpoint": format!("tcp://127.0.0.1:{zport}")}),
+        );
+        assert_eq!(status, 201, "{record}");
+        assert_eq!(record["lifecycle"], "schedulable", "worker {id}: {record}");
+    }
 }

@@ -36,7 +36,7 @@ pub(crate) fn spawn_server(
     env: &[(&str, &str)],
     stderr: Stdio,
 ) -> Option<Child> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_select-server"))
+    let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(args)
         .envs(env.iter().copied())
@@ -45,6 +45,12 @@ pub(crate) fn spawn_server(
         .stderr(stderr)
         .spawn()
         .expect("binary starts");
+    wait_until_listening(child, port)
+}
+
+/// Waits up to 20 s for `child` to listen on `port` (see [`spawn_server`]); kills it and
+/// answers `None` when it exits first or never listens.
+pub(crate) fn wait_until_listening(mut child: Child, port: u16) -> Option<Child> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
         if TcpStream::connect(("127.0.0.1", port)).is_ok() {
