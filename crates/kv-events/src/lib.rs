@@ -29,9 +29,12 @@
 //! - Nothing from the wire stops a listener: bad frames and payloads are dropped, counted per
 //!   [`DropReason`] in [`ListenerStats`] and logged rate-limited. Only a failure of the live
 //!   socket itself ends it ([`ListenerState::Failed`]).
-//! - Dropping a [`KvEventListener`] stops its thread (within one 100 ms poll slice) and closes
-//!   its sockets (linger 0). Callers stopping many call [`KvEventListener::request_stop`] on
-//!   all of them first, so the slices overlap.
+//! - Dropping a [`KvEventListener`] stops its thread and closes its sockets (linger 0). A stop
+//!   (or the ready gate's opening) reaches the thread at once through its wake pipe, idle or
+//!   mid-replay; only a batch being applied is finished first. Callers stopping many call
+//!   [`KvEventListener::request_stop`] on all of them first, so those batches finish in
+//!   parallel. Each listener holds its SUB socket (a DEALER during replays) and a pipe: about
+//!   five file descriptors.
 //!
 //! # Design choices
 //! - msgpack is read with `rmp`'s marker and length primitives, not `rmpv::Value` trees:

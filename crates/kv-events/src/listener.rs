@@ -1,7 +1,10 @@
 //! The ZMQ listener: one SUB socket per publisher stream, sequence watermark, gap detection
-//! and replay over DEALER (`spec/kv-events.md` §2, §10). One OS thread per listener, blocking
-//! `zmq` calls bounded by poll timeouts so that stopping is prompt.
+//! and replay over DEALER (`spec/kv-events.md` §2, §10). One OS thread per listener, blocked
+//! in `zmq_poll` on its sockets and a wake pipe: stop and open requests write to the pipe, so
+//! they take effect at once, and an idle listener wakes only every [`IDLE_POLL_MS`].
 
+use std::io::{PipeReader, PipeWriter, Read, Write};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -38,8 +41,10 @@ pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// connection reset), which bounds what a hostile publisher can make us buffer.
 pub const DEFAULT_MAX_MESSAGE_SIZE: i64 = 64 * 1024 * 1024;
 
-/// Poll slice: the longest a stop request waits.
-const POLL_MS: i64 = 100;
+/// Longest wait of an idle listener. Stop and open requests wake it through its pipe, so
+/// this only bounds the idle wake-ups: with a 100 ms slice, 1,200 idle listeners took about
+/// a quarter of a core.
+const IDLE_POLL_MS: i64 = 5_000;
 /// Frames kept of one message; more are drained and the message is rejected.
 const MAX_FRAMES: usize = 4;
 
@@ -104,6 +109,8 @@ pub enum ListenerError {
     },
     #[error("could not spawn the listener thread: {0}")]
     Spawn(#[source] std::io::Error),
+    #[error("could not create the listener's wake pipe: {0}")]
+    Pipe(#[source] std::io::Error),
 }
 
 /// Lifecycle of a listener, as the service shows it.
@@ -133,6 +140,8 @@ struct Shared {
 pub struct KvEventListener {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// Wakes the thread out of its poll; written at most twice (open, stop).
+    wake: PipeWriter,
 }
 
 impl KvEventListener {
@@ -159,6 +168,7 @@ impl KvEventListener {
         if config.block_size == 0 {
             return Err(ListenerError::ZeroBlockSize);
         }
+        let (wake_rx, wake) = std::io::pipe().map_err(ListenerError::Pipe)?;
         let sub = new_socket(ctx, zmq::SUB, &config.endpoint, config.max_message_size)?;
         sub.set_subscribe(b"")
             .map_err(zmq_err("subscribe", &config.endpoint))?;
@@ -181,6 +191,7 @@ impl KvEventListener {
             config,
             sub,
             dealer: None,
+            wake: wake_rx,
             sink,
             shared: Arc::clone(&shared),
             ops: Vec::new(),
@@ -198,12 +209,21 @@ impl KvEventListener {
         Ok(Self {
             shared,
             thread: Some(thread),
+            wake,
         })
     }
 
     /// Opens the ready gate: the listener starts reading (no-op when already open).
     pub fn open(&self) {
-        self.shared.open.store(true, Ordering::Release);
+        if !self.shared.open.swap(true, Ordering::AcqRel) {
+            self.wake();
+        }
+    }
+
+    /// One byte into the wake pipe. Each flag writes once, so the pipe never fills; a thread
+    /// that already ended has closed its end, and the error is moot.
+    fn wake(&self) {
+        let _ = (&self.wake).write(&[1]);
     }
 
     pub fn stats(&self) -> &Arc<ListenerStats> {
@@ -222,20 +242,23 @@ impl KvEventListener {
         self.shared.state.lock().clone()
     }
 
-    /// Stops the thread and waits for it (at most about one poll slice).
+    /// Stops the thread and waits for it: at once when idle, after the batch being applied
+    /// otherwise (or, during a replay, after the replayed batch being applied).
     pub fn stop(mut self) {
         self.shutdown();
     }
 
     /// Tells the thread to stop without waiting for it. Stopping many listeners: request
-    /// every stop first, then [`Self::stop`] each, so the waits overlap (one poll slice in
-    /// all instead of one per listener).
+    /// every stop first, then [`Self::stop`] each, so the batches being applied finish in
+    /// parallel.
     pub fn request_stop(&self) {
-        self.shared.stop.store(true, Ordering::Release);
+        if !self.shared.stop.swap(true, Ordering::AcqRel) {
+            self.wake();
+        }
     }
 
     fn shutdown(&mut self) {
-        self.shared.stop.store(true, Ordering::Release);
+        self.request_stop();
         if let Some(t) = self.thread.take()
             && t.join().is_err()
         {
@@ -317,12 +340,44 @@ enum ReplayEnd {
     SendFailed,
 }
 
+/// Waits up to `timeout_ms` for `sock` (when given) to be readable or for a wake-up, and
+/// drains the wake pipe. Returns whether `sock` is readable; `Err(None)` when the pipe's
+/// writer is gone (the handle was dropped without a stop: stop too).
+fn wait(
+    sock: Option<&zmq::Socket>,
+    wake: &mut PipeReader,
+    timeout_ms: i64,
+) -> Result<bool, Option<zmq::Error>> {
+    let wake_item = zmq::PollItem::from_fd(wake.as_raw_fd(), zmq::POLLIN);
+    let (readable, woken) = match sock {
+        Some(s) => {
+            let mut items = [s.as_poll_item(zmq::POLLIN), wake_item];
+            zmq::poll(&mut items, timeout_ms).map_err(Some)?;
+            (items[0].is_readable(), items[1].is_readable())
+        }
+        None => {
+            let mut items = [wake_item];
+            zmq::poll(&mut items, timeout_ms).map_err(Some)?;
+            (false, items[0].is_readable())
+        }
+    };
+    if woken {
+        // Readable, so this read does not block; at most two bytes are ever written.
+        let mut buf = [0u8; 8];
+        if matches!(wake.read(&mut buf), Ok(0)) {
+            return Err(None);
+        }
+    }
+    Ok(readable)
+}
+
 /// State owned by the listener thread.
 struct Worker {
     ctx: zmq::Context,
     config: ListenerConfig,
     sub: zmq::Socket,
     dealer: Option<zmq::Socket>,
+    wake: PipeReader,
     sink: Arc<dyn KvEventSink>,
     shared: Arc<Shared>,
     normalizer: Normalizer,
@@ -343,17 +398,22 @@ impl Worker {
         let _span =
             tracing::info_span!("kv_events_listener", worker_id = wid, dp_rank = rank).entered();
         while !self.stopping() && !self.shared.open.load(Ordering::Acquire) {
-            std::thread::sleep(Duration::from_millis(POLL_MS as u64));
+            match wait(None, &mut self.wake, IDLE_POLL_MS) {
+                Ok(_) | Err(Some(zmq::Error::EINTR)) => {}
+                Err(_) => {
+                    self.shared.stop.store(true, Ordering::Release);
+                }
+            }
         }
         let end = loop {
             if self.stopping() {
                 break ListenerState::Stopped;
             }
-            match self.sub.poll(zmq::POLLIN, POLL_MS) {
-                Ok(0) => continue,
-                Ok(_) => {}
-                Err(zmq::Error::EINTR) => continue,
-                Err(e) => {
+            match wait(Some(&self.sub), &mut self.wake, IDLE_POLL_MS) {
+                Ok(false) | Err(Some(zmq::Error::EINTR)) => continue,
+                Ok(true) => {}
+                Err(None) => break ListenerState::Stopped,
+                Err(Some(e)) => {
                     break ListenerState::Failed {
                         error: e.to_string(),
                     };
@@ -554,15 +614,15 @@ impl Worker {
             if now >= deadline {
                 break ReplayEnd::TimedOut;
             }
-            let slice = (deadline - now).as_millis().min(POLL_MS as u128) as i64;
+            let slice = i64::try_from((deadline - now).as_millis()).unwrap_or(i64::MAX);
             let Some(dealer) = self.dealer.as_ref() else {
                 break ReplayEnd::SendFailed;
             };
-            match dealer.poll(zmq::POLLIN, slice.max(1)) {
-                Ok(0) => continue,
-                Ok(_) => {}
-                Err(zmq::Error::EINTR) => continue,
-                Err(_) => break ReplayEnd::BadResponse,
+            match wait(Some(dealer), &mut self.wake, slice.max(1)) {
+                Ok(false) | Err(Some(zmq::Error::EINTR)) => continue,
+                Ok(true) => {}
+                Err(None) => break ReplayEnd::Stopped,
+                Err(Some(_)) => break ReplayEnd::BadResponse,
             }
             let (frames, count) = match recv_frames(dealer) {
                 Ok(Some(v)) => v,

@@ -542,7 +542,7 @@ fn policy_file_classes_reach_the_queue_through_the_header() {
 
 /// The server raises its soft open-file limit to the hard one at startup: started with a
 /// soft limit of 256, it still gives 150 event-driven workers their KV-event listeners
-/// (about three descriptors each), where it used to leave most of them `incomplete` with
+/// (about five descriptors each), where it used to leave most of them `incomplete` with
 /// "Too many open files".
 #[cfg(target_os = "linux")]
 #[test]

@@ -414,10 +414,63 @@ fn ready_gate_holds_messages_until_open_and_drop_stops() {
     std::thread::sleep(Duration::from_millis(300));
     publish(&publisher, 0, &batch(vec![cleared()]));
     rx.assert_quiet();
+    let opened = Instant::now();
     listener.open();
     let ops = rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
     assert_eq!(ops[0].kind, KvOperationKind::Cleared);
+    // The gate's opening wakes the thread; it does not wait for its idle poll (5 s).
+    assert!(
+        opened.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        opened.elapsed()
+    );
     drop(listener);
+}
+
+/// A stop reaches the thread through its wake pipe whatever it is waiting on: the closed
+/// gate, an idle SUB socket, or a replay that would otherwise wait out its 30 s timeout.
+#[test]
+fn stop_is_immediate_when_gated_idle_or_replaying() {
+    let prompt = |listener: KvEventListener| {
+        let started = Instant::now();
+        listener.stop();
+        let took = started.elapsed();
+        // Well below the 5 s idle poll and the replay timeout: the wake-up did it.
+        assert!(took < Duration::from_secs(1), "stop took {took:?}");
+    };
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+
+    let (sink, _rx) = Collector::new();
+    let mut gated = ListenerConfig::new(WorkerKey::new(6, 0), ep.clone(), 4);
+    gated.start_open = false;
+    let listener = KvEventListener::start(gated, sink).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    prompt(listener);
+
+    let (sink, rx) = Collector::new();
+    let listener = KvEventListener::start(
+        ListenerConfig::new(WorkerKey::new(6, 1), ep.clone(), 4),
+        sink,
+    )
+    .unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    prompt(listener);
+
+    let (_silent_router, replay_ep) = bind_free(&ctx, zmq::ROUTER);
+    let (sink, rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(6, 2), ep, 4)
+        .with_replay_endpoint(replay_ep)
+        .with_replay_timeout(Duration::from_secs(30));
+    let listener = KvEventListener::start(config, sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    publish(&publisher, 5, &batch(vec![cleared()]));
+    let stats = Arc::clone(listener.stats());
+    wait_until(|| get(&stats.replays_requested) == 1);
+    prompt(listener);
+    // The replay ended because of the stop, not a timeout.
+    assert_eq!(get(&stats.replays_incomplete), 1);
+    assert_eq!(get(&stats.replays_timed_out), 0);
 }
 
 #[test]

@@ -1522,7 +1522,7 @@ fn overlap_is_looked_up_again_after_a_long_enough_wait() {
 /// registration past about a thousand listeners stayed `incomplete` ("Too many open files").
 #[test]
 fn more_than_a_thousand_event_driven_workers_all_get_listeners() {
-    // Each listener holds about three descriptors; embedders raise the limit as the server
+    // Each listener holds about five descriptors; embedders raise the limit as the server
     // does at startup.
     let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap();
     if limit < 8_192 {
