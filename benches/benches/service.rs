@@ -3,6 +3,8 @@
 //! 4k-token prefix plus a shared system prompt, so every lookup walks a real tree. The main
 //! groups run the default (event-driven) configuration; `approximate` repeats the 128-worker
 //! case with `use_kv_events=false`, where every booking also records its blocks in the index.
+//! `select/10_partitions_of_120` selects in the last of ten models (1,200 workers), and
+//! `register_and_delete` measures the catalog with 1,000 and 10,000 workers.
 
 use std::sync::Arc;
 
@@ -185,6 +187,45 @@ fn service(c: &mut Criterion) {
     group.finish();
 }
 
+/// Selection in one of many partitions: 1,200 workers in ten models of 120 (contiguous
+/// ids, approximate mode so no listener runs), a 256-token `select` in the last model, so
+/// the other nine partitions' workers come first in the catalog.
+fn partitions(c: &mut Criterion) {
+    let config = CoreConfig {
+        router: RouterConfig {
+            use_kv_events: false,
+            ..RouterConfig::default()
+        },
+        rng_seed: Some(1),
+        ..CoreConfig::default()
+    };
+    let core = SelectionCore::try_new_local(config, None).expect("valid config");
+    for w in 0..1_200u64 {
+        core.upsert_worker(WorkerRequest {
+            endpoint: Some(format!("http://w{w}")),
+            block_size: Some(BLOCK),
+            model_name: format!("model-{}", w / 120),
+            ..WorkerRequest::new(w)
+        })
+        .expect("worker registers");
+    }
+    let request = SelectRequest {
+        partition: PartitionKey::new("model-9", "default"),
+        prompt: PromptInput {
+            token_ids: Some(prompt(1_100, 256)),
+            ..PromptInput::default()
+        },
+        ..SelectRequest::default()
+    };
+    c.bench_function("service/select/10_partitions_of_120/256", |b| {
+        b.iter_batched(
+            || request.clone(),
+            |req| core.select(req).expect("selects").worker_id,
+            BatchSize::SmallInput,
+        )
+    });
+}
+
 /// Catalog scalability: registering and removing one more worker in a partition that
 /// already holds 1,000 or 10,000 (approximate mode, so no listener is started).
 fn register(c: &mut Criterion) {
@@ -225,5 +266,5 @@ fn register(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, service, register);
+criterion_group!(benches, service, partitions, register);
 criterion_main!(benches);
