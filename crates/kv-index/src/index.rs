@@ -503,12 +503,37 @@ impl KvIndex {
         if locals.is_empty() || (self.primary_ttl.is_none() && self.side.is_none()) {
             return RecordOutcome::NotRecorded;
         }
-        kv_types::sequence_hashes_into(locals, &mut self.seq_scratch);
+        let mut seqs = std::mem::take(&mut self.seq_scratch);
+        kv_types::sequence_hashes_into(locals, &mut seqs);
+        let out = self.record_decision_chained(worker, locals, &seqs, now);
+        self.seq_scratch = seqs;
+        out
+    }
+
+    /// [`Self::record_decision`] when the caller already has the chain: `seqs` must be
+    /// `sequence_hashes(locals)`, as the service has it from hashing the prompt. The chain is
+    /// serial (about 1 µs per 256 blocks) and this runs under the index's write lock, so
+    /// computing it outside keeps the lock shorter. A `seqs` of another length is ignored and
+    /// the chain computed here.
+    pub fn record_decision_chained(
+        &mut self,
+        worker: WorkerKey,
+        locals: &[BlockHash],
+        seqs: &[SequenceHash],
+        now: Instant,
+    ) -> RecordOutcome {
+        if seqs.len() != locals.len() {
+            debug_assert_eq!(seqs.len(), locals.len(), "a chain for other blocks");
+            return self.record_decision(worker, locals, now);
+        }
+        if locals.is_empty() || (self.primary_ttl.is_none() && self.side.is_none()) {
+            return RecordOutcome::NotRecorded;
+        }
         self.block_scratch.clear();
         self.block_scratch.extend(
             locals
                 .iter()
-                .zip(&self.seq_scratch)
+                .zip(seqs)
                 .map(|(&l, s)| StoredBlock::new(ExternalHash(s.0), l)),
         );
         let mut recorded = false;
@@ -516,13 +541,13 @@ impl KvIndex {
             && self.primary.apply_stored(worker, None, &self.block_scratch)
                 != StoreOutcome::ParentNotFound
         {
-            a.timers.arm(worker, &self.seq_scratch, now);
+            a.timers.arm(worker, seqs, now);
             recorded = true;
         }
         if let Some((side, a)) = &mut self.side
             && side.apply_stored(worker, None, &self.block_scratch) != StoreOutcome::ParentNotFound
         {
-            a.timers.arm(worker, &self.seq_scratch, now);
+            a.timers.arm(worker, seqs, now);
             recorded = true;
         }
         if recorded {

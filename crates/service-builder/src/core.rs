@@ -96,6 +96,8 @@ impl Default for CoreConfig {
 struct SelectScratch {
     blocks: Vec<BlockHash>,
     tracking: Vec<SequenceHash>,
+    /// `tracking` is the public sequence chain of `blocks` (computed here, not given).
+    tracking_is_chain: bool,
     /// The tiered lookup and, per roster row, its hits.
     hits: RowHits,
     candidates: Vec<Candidate>,
@@ -131,6 +133,13 @@ pub(crate) struct Partition {
 
 /// How often the booking path re-runs the expiry scan (the periodic task runs regardless).
 const EXPIRY_RECHECK: Duration = Duration::from_secs(30);
+
+impl SelectScratch {
+    /// The sequence chain of `blocks`, when `tracking` is it.
+    fn chain(&self) -> Option<&[SequenceHash]> {
+        self.tracking_is_chain.then_some(&self.tracking[..])
+    }
+}
 
 impl Partition {
     /// Whether `worker_id` is schedulable here (and, when given, serves global `rank`).
@@ -836,7 +845,12 @@ impl SelectionCore {
                         return Err(e);
                     }
                 };
-                self.record_decision(&partition, selection.worker, &scratch.blocks);
+                self.record_decision(
+                    &partition,
+                    selection.worker,
+                    &scratch.blocks,
+                    scratch.chain(),
+                );
                 claim.install_with_session(session.into_lease());
                 kv_hint = self.kv_hint(&partition, &scratch, selection.worker, id);
                 self.publish_booking(&partition, &booking, binding);
@@ -1306,6 +1320,7 @@ impl SelectionCore {
                 (_, Some(t)) => (Some(t), &prompt.block_mm_infos),
                 _ => (None, &[]),
             };
+        scratch.tracking_is_chain = false;
         if let Some(tokens) = tokens {
             if tokens.len() > self.config.max_prompt_tokens {
                 return Err(SelectionError::new(
@@ -1335,6 +1350,7 @@ impl SelectionCore {
                     &mut scratch.blocks,
                     &mut scratch.tracking,
                 );
+                scratch.tracking_is_chain = true;
             } else if reuse {
                 kv_types::block_hashes_into(
                     tokens,
@@ -1413,13 +1429,24 @@ impl SelectionCore {
         }
     }
 
-    fn record_decision(&self, partition: &Partition, worker: WorkerKey, blocks: &[BlockHash]) {
+    /// Records a booking's blocks in approximate mode; `chain`, when known, is their
+    /// sequence chain (kept out of the index's write lock).
+    fn record_decision(
+        &self,
+        partition: &Partition,
+        worker: WorkerKey,
+        blocks: &[BlockHash],
+        chain: Option<&[SequenceHash]>,
+    ) {
         if blocks.is_empty() {
             return;
         }
         let mut index = partition.index.write();
         if records_decisions(&index) {
-            index.record_decision(worker, blocks, Instant::now());
+            match chain {
+                Some(seqs) => index.record_decision_chained(worker, blocks, seqs, Instant::now()),
+                None => index.record_decision(worker, blocks, Instant::now()),
+            };
         }
     }
 
@@ -1595,7 +1622,7 @@ impl SelectionCore {
             lora_name: req.prompt.lora_name.as_deref(),
         };
         self.book_on(&partition, &booking, SlotPolicy::RequireRegistered)?;
-        self.record_decision(&partition, worker, &scratch.blocks);
+        self.record_decision(&partition, worker, &scratch.blocks, scratch.chain());
         claim.install();
         self.publish_booking(&partition, &booking, None);
         Ok(ReservationResponse {
@@ -1657,7 +1684,7 @@ impl SelectionCore {
                 return Err(e);
             }
         };
-        self.record_decision(&partition, worker, &cached.block_hashes);
+        self.record_decision(&partition, worker, &cached.block_hashes, None);
         claim.install_with_session(session.into_lease());
         self.publish_booking(&partition, &booking, binding);
         self.pending.lock().consume(key, generation);

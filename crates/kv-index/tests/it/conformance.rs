@@ -261,6 +261,30 @@ mod approximate {
     }
 
     #[test]
+    fn a_decision_with_its_chain_records_what_the_plain_one_does() {
+        let t0 = Instant::now();
+        let mut plain = approx(Duration::from_secs(10), t0);
+        let mut chained = approx(Duration::from_secs(10), t0);
+        let worker = w(4, 1);
+        let locals = q(&[5, 6, 7, 8]);
+        let mut seqs = Vec::new();
+        kv_types::sequence_hashes_into(&locals, &mut seqs);
+        assert_eq!(
+            chained.record_decision_chained(worker, &locals, &seqs, t0),
+            plain.record_decision(worker, &locals, t0)
+        );
+        assert_eq!(chained.snapshot_operations(), plain.snapshot_operations());
+        check(&chained, &[5, 6, 7, 8], &[((4, 1), 4)]);
+        // The timers are keyed by the same chain: all four expire together.
+        assert_eq!(chained.expire(t0 + Duration::from_secs(10), 1000), 4);
+        check(&chained, &[5, 6, 7, 8], &[]);
+        assert_eq!(
+            chained.record_decision_chained(worker, &[], &[], t0),
+            RecordOutcome::NotRecorded
+        );
+    }
+
+    #[test]
     fn removing_a_rank_drops_its_blocks_and_timers() {
         let t0 = Instant::now();
         let mut idx = approx(Duration::from_secs(10), t0);
