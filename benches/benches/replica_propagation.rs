@@ -22,9 +22,8 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use selection_policy::RouterConfig;
 use service_builder::{
-    CoreConfig, PromptInput, ReplicaSyncConfig, SelectRequest, SelectionCore, SelectionService,
+    PromptInput, ReplicaSyncConfig, SelectRequest, SelectionCore, SelectionService,
     SelectionServiceBuilder, WorkerRequest,
 };
 
@@ -43,14 +42,7 @@ fn free_port() -> u16 {
 
 /// `Some((port, peer))` meshes the service with one peer; `None` is the local-only baseline.
 fn service(mesh: Option<(u16, u16)>) -> SelectionService {
-    let config = CoreConfig {
-        router: RouterConfig {
-            use_kv_events: false,
-            ..RouterConfig::default()
-        },
-        rng_seed: Some(1),
-        ..CoreConfig::default()
-    };
+    let config = benches::seeded_config(false);
     let mut builder = SelectionServiceBuilder::new(config);
     if let Some((port, peer)) = mesh {
         builder = builder.replica_sync(ReplicaSyncConfig {

@@ -13,10 +13,7 @@ use kv_types::{
     BlockHash, ExternalHash, HashOptions, KvOperation, KvOperationKind, StorageTier, StoredBlock,
     WorkerKey,
 };
-use selection_policy::RouterConfig;
-use service_builder::{
-    CoreConfig, PartitionKey, PromptInput, SelectRequest, SelectionCore, WorkerRequest,
-};
+use service_builder::{PartitionKey, PromptInput, SelectRequest, SelectionCore, WorkerRequest};
 
 const BLOCK: u32 = 16;
 
@@ -58,14 +55,7 @@ fn idle_publisher() -> IdlePublisher {
 
 fn core_with(workers: u64, use_kv_events: bool) -> Arc<SelectionCore> {
     let publisher = idle_publisher();
-    let config = CoreConfig {
-        router: RouterConfig {
-            use_kv_events,
-            ..RouterConfig::default()
-        },
-        rng_seed: Some(1),
-        ..CoreConfig::default()
-    };
+    let config = benches::seeded_config(use_kv_events);
     let core = SelectionCore::try_new_local(config, None).expect("valid config");
     let key = PartitionKey::new("default", "default");
     for w in 0..workers {
@@ -191,14 +181,7 @@ fn service(c: &mut Criterion) {
 /// ids, approximate mode so no listener runs), a 256-token `select` in the last model, so
 /// the other nine partitions' workers come first in the catalog.
 fn partitions(c: &mut Criterion) {
-    let config = CoreConfig {
-        router: RouterConfig {
-            use_kv_events: false,
-            ..RouterConfig::default()
-        },
-        rng_seed: Some(1),
-        ..CoreConfig::default()
-    };
+    let config = benches::seeded_config(false);
     let core = SelectionCore::try_new_local(config, None).expect("valid config");
     for w in 0..1_200u64 {
         core.upsert_worker(WorkerRequest {
@@ -241,17 +224,8 @@ fn register(c: &mut Criterion) {
         let mut core: Option<Arc<SelectionCore>> = None;
         group.bench_function(BenchmarkId::from_parameter(workers), |b| {
             let core = core.get_or_insert_with(|| {
-                let core = SelectionCore::try_new_local(
-                    CoreConfig {
-                        router: RouterConfig {
-                            use_kv_events: false,
-                            ..RouterConfig::default()
-                        },
-                        ..CoreConfig::default()
-                    },
-                    None,
-                )
-                .expect("valid config");
+                let core = SelectionCore::try_new_local(benches::seeded_config(false), None)
+                    .expect("valid config");
                 for w in 0..workers {
                     core.upsert_worker(record(w)).expect("worker registers");
                 }

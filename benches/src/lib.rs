@@ -1,7 +1,8 @@
 //! Criterion benchmarks of kv-select's hot paths (`cargo bench -p benches`).
 //!
-//! The library part only holds deterministic input generators shared by the bench targets,
-//! so every bench measures the same inputs run after run.
+//! The library part only holds deterministic inputs shared by the bench targets (token
+//! ids, a seeded service configuration), so every bench measures the same work run after
+//! run.
 
 /// Deterministic pseudo-random token ids (xorshift), `n` of them, from `seed`.
 pub fn tokens(n: usize, seed: u64) -> Vec<u32> {
@@ -14,6 +15,19 @@ pub fn tokens(n: usize, seed: u64) -> Vec<u32> {
             (x % 150_000) as u32
         })
         .collect()
+}
+
+/// A core configuration with a fixed random seed (so picks repeat run after run), with KV
+/// events or in approximate mode.
+pub fn seeded_config(use_kv_events: bool) -> service_builder::CoreConfig {
+    service_builder::CoreConfig {
+        router: selection_policy::RouterConfig {
+            use_kv_events,
+            ..selection_policy::RouterConfig::default()
+        },
+        rng_seed: Some(1),
+        ..service_builder::CoreConfig::default()
+    }
 }
 
 #[cfg(test)]
