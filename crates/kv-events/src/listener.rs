@@ -397,19 +397,17 @@ impl Worker {
         let rank = self.config.worker.dp_rank.0;
         let _span =
             tracing::info_span!("kv_events_listener", worker_id = wid, dp_rank = rank).entered();
-        while !self.stopping() && !self.shared.open.load(Ordering::Acquire) {
-            match wait(None, &mut self.wake, IDLE_POLL_MS) {
-                Ok(_) | Err(Some(zmq::Error::EINTR)) => {}
-                Err(_) => {
-                    self.shared.stop.store(true, Ordering::Release);
-                }
-            }
-        }
         let end = loop {
             if self.stopping() {
                 break ListenerState::Stopped;
             }
-            match wait(Some(&self.sub), &mut self.wake, IDLE_POLL_MS) {
+            // Behind the closed ready gate only the wake pipe is watched.
+            let live = self
+                .shared
+                .open
+                .load(Ordering::Acquire)
+                .then_some(&self.sub);
+            match wait(live, &mut self.wake, IDLE_POLL_MS) {
                 Ok(false) | Err(Some(zmq::Error::EINTR)) => continue,
                 Ok(true) => {}
                 Err(None) => break ListenerState::Stopped,
