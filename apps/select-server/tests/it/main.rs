@@ -11,3 +11,4 @@ mod mesh;
 mod routes;
 mod serve;
 mod shapes;
+mod vllm_interop;
