@@ -1,17 +1,26 @@
 //! The ZMQ listener: one SUB socket per publisher stream, sequence watermark, gap detection
-//! and replay over DEALER (`spec/kv-events.md` §2, §10). One OS thread per listener, blocked
-//! in `zmq_poll` on its sockets and a wake pipe: stop and open requests write to the pipe, so
-//! they take effect at once, and an idle listener wakes only every [`IDLE_POLL_MS`].
-
-use std::io::{PipeReader, PipeWriter, Read, Write};
-use std::os::fd::AsRawFd;
+//! and replay over DEALER (`spec/kv-events.md` §2, §10).
+//!
+//! Listeners run on a [`ListenerGroup`]: one OS thread waiting in `epoll` (through `mio`) on
+//! the sockets of all its listeners and on a waker. A wake-up costs what the ready sockets
+//! cost, not what the group holds. Stop and open requests use the waker, so they take effect
+//! at once. A replay is a state of its listener, not a blocking call: while one listener
+//! waits for its engine's replay socket, the others of its group keep reading.
+//!
+//! ZMQ sockets are not file descriptors; each exposes one (`ZMQ_FD`) that signals, edge
+//! triggered, that its `ZMQ_EVENTS` may have changed. So a signal only marks a socket as
+//! worth checking, every check reads `ZMQ_EVENTS`, and a socket is marked clear only once
+//! `ZMQ_EVENTS` says so after the last receive (after a send too: libzmq may make a socket
+//! readable during a send without signalling). A group also re-checks every socket every
+//! [`IDLE_POLL_MS`], so a missed edge could delay a stream, never lose it.
+use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use kv_types::{KvOperation, KvOperationKind, WorkerKey};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::decode::{FrameError, parse_live_frames, parse_seq};
 use crate::endpoint::{EndpointError, validate_endpoint};
@@ -20,7 +29,9 @@ use crate::stats::{DropReason, ListenerStats};
 use crate::watermark::{SeqObservation, Watermark};
 
 /// Receives the operations of each applied batch, in publisher order. Called from the
-/// listener's thread; it must not block for long (the SUB queue fills meanwhile).
+/// listener group's thread; it must not block for long (that group's other listeners wait
+/// meanwhile), and it must not stop listeners of its own group (their stop would wait for
+/// the thread that is calling it: such a stop only requests, see [`KvEventListener::stop`]).
 pub trait KvEventSink: Send + Sync + 'static {
     /// All operations of one batch (possibly empty when every event was filtered).
     fn apply(&self, ops: &[KvOperation]);
@@ -41,10 +52,15 @@ pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// connection reset), which bounds what a hostile publisher can make us buffer.
 pub const DEFAULT_MAX_MESSAGE_SIZE: i64 = 64 * 1024 * 1024;
 
-/// Longest wait of an idle listener. Stop and open requests wake it through its pipe, so
-/// this only bounds the idle wake-ups: with a 100 ms slice, 1,200 idle listeners took about
-/// a quarter of a core.
-const IDLE_POLL_MS: i64 = 5_000;
+/// Longest wait of an idle group, after which it re-checks every socket (see the module
+/// docs). Stop and open requests wake it at once, so this only bounds the idle wake-ups:
+/// with a 100 ms slice per listener, 1,200 idle listeners took about a quarter of a core.
+const IDLE_POLL_MS: u64 = 5_000;
+/// The waker's token; listener `slot` uses `2·slot` (SUB) and `2·slot + 1` (DEALER).
+const WAKE: mio::Token = mio::Token(usize::MAX);
+/// Messages one listener may handle per poll round before the group polls again, so that a
+/// flooding publisher cannot starve the rest of its group.
+const BURST: usize = 64;
 /// Frames kept of one message; more are drained and the message is rejected.
 const MAX_FRAMES: usize = 4;
 
@@ -109,8 +125,8 @@ pub enum ListenerError {
     },
     #[error("could not spawn the listener thread: {0}")]
     Spawn(#[source] std::io::Error),
-    #[error("could not create the listener's wake pipe: {0}")]
-    Pipe(#[source] std::io::Error),
+    #[error("could not create the listener group's poller: {0}")]
+    Poller(#[source] std::io::Error),
 }
 
 /// Lifecycle of a listener, as the service shows it.
@@ -132,21 +148,124 @@ struct Shared {
     /// `u64::MAX` = no batch applied yet (as the reference's sentinel).
     watermark: AtomicU64,
     state: Mutex<ListenerState>,
+    /// Signalled once the group has let go of the listener (its sockets are closed by then
+    /// and `state` is no longer `Running`).
+    ended: Condvar,
     stats: Arc<ListenerStats>,
 }
 
-/// A running listener. Dropping it stops the thread and closes its sockets.
+/// One OS thread running many listeners: it waits on all their sockets at once, so a
+/// thousand (worker, rank) streams need a few dozen threads instead of a thousand. Cheap to
+/// clone; the thread ends once the group and every listener started on it are dropped.
+///
+/// A group's listeners share its thread for decoding and for the sink, so a slow sink delays
+/// the group's other streams (their messages wait in their SUB queues), and one group uses at
+/// most one core. Callers size groups with [`ListenerGroup::len`].
+#[derive(Clone, Debug)]
+pub struct ListenerGroup {
+    inner: Arc<GroupHandle>,
+}
+
+struct GroupHandle {
+    shared: Arc<GroupShared>,
+    waker: mio::Waker,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    thread_id: ThreadId,
+}
+
+#[derive(Default)]
+struct GroupShared {
+    /// Listeners started but not yet taken over by the thread.
+    pending: Mutex<Vec<Worker>>,
+    closed: AtomicBool,
+    /// Listeners started on the group that have not ended.
+    listeners: AtomicUsize,
+}
+
+impl std::fmt::Debug for GroupHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenerGroup")
+            .field("listeners", &self.shared.listeners.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl ListenerGroup {
+    /// Starts the group's thread, named `name`.
+    pub fn new(name: impl Into<String>) -> Result<Self, ListenerError> {
+        let poll = mio::Poll::new().map_err(ListenerError::Poller)?;
+        let waker = mio::Waker::new(poll.registry(), WAKE).map_err(ListenerError::Poller)?;
+        let shared = Arc::new(GroupShared::default());
+        let for_thread = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || run_group(&for_thread, poll))
+            .map_err(ListenerError::Spawn)?;
+        let thread_id = thread.thread().id();
+        Ok(Self {
+            inner: Arc::new(GroupHandle {
+                shared,
+                waker,
+                thread: Mutex::new(Some(thread)),
+                thread_id,
+            }),
+        })
+    }
+
+    /// Listeners started on this group that have not ended yet.
+    pub fn len(&self) -> usize {
+        self.inner.shared.listeners.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl GroupHandle {
+    /// Wakes the thread out of its wait. An error means the thread already ended (its
+    /// poller is gone), which makes the wake-up moot.
+    fn wake(&self) {
+        let _ = self.waker.wake();
+    }
+
+    fn on_group_thread(&self) -> bool {
+        std::thread::current().id() == self.thread_id
+    }
+
+    fn thread_finished(&self) -> bool {
+        self.thread
+            .lock()
+            .as_ref()
+            .is_none_or(JoinHandle::is_finished)
+    }
+}
+
+impl Drop for GroupHandle {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.wake();
+        let Some(thread) = self.thread.get_mut().take() else {
+            return;
+        };
+        // The last handle can only go on the group's own thread through a sink (see
+        // `KvEventSink`); that thread sees `closed` and ends by itself.
+        if !self.on_group_thread() && thread.join().is_err() {
+            tracing::error!("kv-events listener group thread panicked");
+        }
+    }
+}
+
+/// A running listener. Dropping it stops it and closes its sockets.
 #[derive(Debug)]
 pub struct KvEventListener {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
-    /// Wakes the thread out of its poll; written at most twice (open, stop).
-    wake: PipeWriter,
+    group: Arc<GroupHandle>,
 }
 
 impl KvEventListener {
     /// Validates the config, creates and connects the sockets on a private ZMQ context, and
-    /// starts the listener thread.
+    /// starts the listener on a group of its own (one thread).
     pub fn start(
         config: ListenerConfig,
         sink: Arc<dyn KvEventSink>,
@@ -161,6 +280,20 @@ impl KvEventListener {
         config: ListenerConfig,
         sink: Arc<dyn KvEventSink>,
     ) -> Result<Self, ListenerError> {
+        let name = format!(
+            "kv-events-{}-{}",
+            config.worker.worker_id, config.worker.dp_rank
+        );
+        Self::start_on(&ListenerGroup::new(name)?, ctx, config, sink)
+    }
+
+    /// Like [`Self::start_in`], run by `group`'s thread alongside its other listeners.
+    pub fn start_on(
+        group: &ListenerGroup,
+        ctx: &zmq::Context,
+        config: ListenerConfig,
+        sink: Arc<dyn KvEventSink>,
+    ) -> Result<Self, ListenerError> {
         validate_endpoint(&config.endpoint)?;
         if let Some(ep) = &config.replay_endpoint {
             validate_endpoint(ep)?;
@@ -168,7 +301,6 @@ impl KvEventListener {
         if config.block_size == 0 {
             return Err(ListenerError::ZeroBlockSize);
         }
-        let (wake_rx, wake) = std::io::pipe().map_err(ListenerError::Pipe)?;
         let sub = new_socket(ctx, zmq::SUB, &config.endpoint, config.max_message_size)?;
         sub.set_subscribe(b"")
             .map_err(zmq_err("subscribe", &config.endpoint))?;
@@ -179,9 +311,10 @@ impl KvEventListener {
             open: AtomicBool::new(config.start_open),
             watermark: AtomicU64::new(config.initial_watermark.unwrap_or(u64::MAX)),
             state: Mutex::new(ListenerState::Running),
+            ended: Condvar::new(),
             stats: Arc::new(ListenerStats::default()),
         });
-        let mut worker = Worker {
+        let worker = Worker {
             ctx: ctx.clone(),
             normalizer: Normalizer::new(config.worker, config.block_size),
             watermark: match config.initial_watermark {
@@ -191,39 +324,31 @@ impl KvEventListener {
             config,
             sub,
             dealer: None,
-            wake: wake_rx,
+            slot: 0,
+            sub_ready: true,
+            dealer_ready: false,
+            mode: Mode::Live,
             sink,
             shared: Arc::clone(&shared),
             ops: Vec::new(),
             drop_log: LogLimiter::default(),
             stale_log: LogLimiter::default(),
         };
-        let name = format!(
-            "kv-events-{}-{}",
-            worker.config.worker.worker_id, worker.config.worker.dp_rank
-        );
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || worker.run())
-            .map_err(ListenerError::Spawn)?;
+        let inner = &group.inner;
+        inner.shared.listeners.fetch_add(1, Ordering::AcqRel);
+        inner.shared.pending.lock().push(worker);
+        inner.wake();
         Ok(Self {
             shared,
-            thread: Some(thread),
-            wake,
+            group: Arc::clone(inner),
         })
     }
 
     /// Opens the ready gate: the listener starts reading (no-op when already open).
     pub fn open(&self) {
         if !self.shared.open.swap(true, Ordering::AcqRel) {
-            self.wake();
+            self.group.wake();
         }
-    }
-
-    /// One byte into the wake pipe. Each flag writes once, so the pipe never fills; a thread
-    /// that already ended has closed its end, and the error is moot.
-    fn wake(&self) {
-        let _ = (&self.wake).write(&[1]);
     }
 
     pub fn stats(&self) -> &Arc<ListenerStats> {
@@ -242,27 +367,40 @@ impl KvEventListener {
         self.shared.state.lock().clone()
     }
 
-    /// Stops the thread and waits for it: at once when idle, after the batch being applied
-    /// otherwise (or, during a replay, after the replayed batch being applied).
+    /// Stops the listener and waits until its sockets are closed: at once when idle or
+    /// mid-replay, otherwise after the batch being applied. Called from the group's own
+    /// thread (a sink), it only requests the stop: waiting there would wait for itself.
     pub fn stop(mut self) {
         self.shutdown();
     }
 
-    /// Tells the thread to stop without waiting for it. Stopping many listeners: request
-    /// every stop first, then [`Self::stop`] each, so the batches being applied finish in
-    /// parallel.
+    /// Asks the group to stop this listener without waiting. Stopping many listeners:
+    /// request every stop first, then [`Self::stop`] each, so their groups work through
+    /// the stops in parallel.
     pub fn request_stop(&self) {
         if !self.shared.stop.swap(true, Ordering::AcqRel) {
-            self.wake();
+            self.group.wake();
         }
     }
 
     fn shutdown(&mut self) {
         self.request_stop();
-        if let Some(t) = self.thread.take()
-            && t.join().is_err()
-        {
-            tracing::error!("kv-events listener thread panicked");
+        if self.group.on_group_thread() {
+            return;
+        }
+        let mut state = self.shared.state.lock();
+        while *state == ListenerState::Running {
+            // The group marks its listeners ended even when its thread unwinds; the check of
+            // the thread only covers a listener started on a group whose thread had died.
+            if self
+                .shared
+                .ended
+                .wait_for(&mut state, Duration::from_millis(100))
+                .timed_out()
+                && self.group.thread_finished()
+            {
+                break;
+            }
         }
     }
 }
@@ -340,44 +478,227 @@ enum ReplayEnd {
     SendFailed,
 }
 
-/// Waits up to `timeout_ms` for `sock` (when given) to be readable or for a wake-up, and
-/// drains the wake pipe. Returns whether `sock` is readable; `Err(None)` when the pipe's
-/// writer is gone (the handle was dropped without a stop: stop too).
-fn wait(
-    sock: Option<&zmq::Socket>,
-    wake: &mut PipeReader,
-    timeout_ms: i64,
-) -> Result<bool, Option<zmq::Error>> {
-    let wake_item = zmq::PollItem::from_fd(wake.as_raw_fd(), zmq::POLLIN);
-    let (readable, woken) = match sock {
-        Some(s) => {
-            let mut items = [s.as_poll_item(zmq::POLLIN), wake_item];
-            zmq::poll(&mut items, timeout_ms).map_err(Some)?;
-            (items[0].is_readable(), items[1].is_readable())
-        }
-        None => {
-            let mut items = [wake_item];
-            zmq::poll(&mut items, timeout_ms).map_err(Some)?;
-            (false, items[0].is_readable())
-        }
-    };
-    if woken {
-        // Readable, so this read does not block; at most two bytes are ever written.
-        let mut buf = [0u8; 8];
-        if matches!(wake.read(&mut buf), Ok(0)) {
-            return Err(None);
-        }
-    }
-    Ok(readable)
+/// The listeners a group's thread runs, by slot (a slot's tokens stay its own until it is
+/// freed). Dropping it (also when the thread unwinds) ends every listener it holds or that
+/// is still pending, so no `stop` waits forever.
+struct Members<'a> {
+    group: &'a GroupShared,
+    registry: &'a mio::Registry,
+    slots: Vec<Option<Worker>>,
+    free: Vec<usize>,
 }
 
-/// State owned by the listener thread.
+impl Members<'_> {
+    fn adopt(&mut self, mut worker: Worker) {
+        let slot = self.free.pop().unwrap_or(self.slots.len());
+        worker.slot = slot;
+        if let Err(e) = register(self.registry, worker.sub.get_fd(), sub_token(slot)) {
+            self.group.listeners.fetch_sub(1, Ordering::AcqRel);
+            worker.finish(self.registry, ListenerState::Failed { error: e });
+            return;
+        }
+        if slot == self.slots.len() {
+            self.slots.push(Some(worker));
+        } else {
+            self.slots[slot] = Some(worker);
+        }
+    }
+
+    /// Ends the listener in `slot`. The group's count drops first: a `stop` returns as
+    /// soon as the listener is marked ended.
+    fn finish(&mut self, slot: usize, end: ListenerState) {
+        if let Some(worker) = self.slots.get_mut(slot).and_then(Option::take) {
+            self.group.listeners.fetch_sub(1, Ordering::AcqRel);
+            worker.finish(self.registry, end);
+            self.free.push(slot);
+        }
+    }
+
+    fn workers(&mut self) -> impl Iterator<Item = &mut Worker> {
+        self.slots.iter_mut().flatten()
+    }
+
+    fn finish_all(&mut self, end: &ListenerState) {
+        for slot in 0..self.slots.len() {
+            self.finish(slot, end.clone());
+        }
+    }
+}
+
+impl Drop for Members<'_> {
+    fn drop(&mut self) {
+        let pending = std::mem::take(&mut *self.group.pending.lock());
+        for worker in pending {
+            self.group.listeners.fetch_sub(1, Ordering::AcqRel);
+            worker.finish(self.registry, ListenerState::Stopped);
+        }
+        self.finish_all(&ListenerState::Stopped);
+    }
+}
+
+fn sub_token(slot: usize) -> mio::Token {
+    mio::Token(2 * slot)
+}
+
+fn dealer_token(slot: usize) -> mio::Token {
+    mio::Token(2 * slot + 1)
+}
+
+fn register(
+    registry: &mio::Registry,
+    fd: zmq::Result<RawFd>,
+    token: mio::Token,
+) -> Result<(), String> {
+    let fd = fd.map_err(|e| format!("reading the socket's ZMQ_FD failed: {e}"))?;
+    registry
+        .register(
+            &mut mio::unix::SourceFd(&fd),
+            token,
+            mio::Interest::READABLE,
+        )
+        .map_err(|e| format!("registering the socket with the poller failed: {e}"))
+}
+
+/// Removes a socket from the poller before it is closed: libzmq closes the descriptor
+/// later, on its reaper thread, and a reused number must not inherit the registration.
+fn deregister(registry: &mio::Registry, socket: &zmq::Socket) {
+    if let Ok(fd) = socket.get_fd() {
+        let _ = registry.deregister(&mut mio::unix::SourceFd(&fd));
+    }
+}
+
+/// The group's thread: adopts new listeners, ends stopped ones, times replays out, and lets
+/// each listener whose socket may be readable read it.
+fn run_group(group: &GroupShared, mut poll: mio::Poll) {
+    let registry = match poll.registry().try_clone() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "KV-event listener group cannot start its poller");
+            return;
+        }
+    };
+    let mut members = Members {
+        group,
+        registry: &registry,
+        slots: Vec::new(),
+        free: Vec::new(),
+    };
+    let mut events = mio::Events::with_capacity(256);
+    let idle = Duration::from_millis(IDLE_POLL_MS);
+    let mut last_sweep = Instant::now();
+    loop {
+        let adopted = std::mem::take(&mut *group.pending.lock());
+        for worker in adopted {
+            members.adopt(worker);
+        }
+        if group.closed.load(Ordering::Acquire) {
+            // Every handle is gone, so every listener was stopped; `Members` ends any left.
+            return;
+        }
+        let now = Instant::now();
+        for slot in 0..members.slots.len() {
+            let stopping = match &mut members.slots[slot] {
+                Some(w) if w.stopping() => true,
+                Some(w) => {
+                    w.check_deadline(&registry, now);
+                    false
+                }
+                None => false,
+            };
+            if stopping {
+                members.finish(slot, ListenerState::Stopped);
+            }
+        }
+        let busy = members.workers().any(|w| w.has_work());
+        let timeout = if busy {
+            Duration::ZERO
+        } else {
+            let sweep = (last_sweep + idle).saturating_duration_since(now);
+            members
+                .workers()
+                .filter_map(|w| w.deadline())
+                .min()
+                .map_or(sweep, |d| d.saturating_duration_since(now).min(sweep))
+        };
+        match poll.poll(&mut events, Some(timeout)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::error!(error = %e, "waiting on KV-event sockets failed; the group's listeners stop");
+                members.finish_all(&ListenerState::Failed {
+                    error: e.to_string(),
+                });
+                // Not a hot loop if the error persists.
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        }
+        if last_sweep.elapsed() >= idle {
+            // The periodic re-check of the module docs, however busy the group is.
+            last_sweep = Instant::now();
+            for w in members.workers() {
+                w.sub_ready = true;
+                w.dealer_ready = w.dealer.is_some();
+            }
+        }
+        for event in &events {
+            let token = event.token();
+            if token == WAKE {
+                continue;
+            }
+            if let Some(Some(w)) = members.slots.get_mut(token.0 / 2) {
+                if token.0 % 2 == 0 {
+                    w.sub_ready = true;
+                } else {
+                    w.dealer_ready = true;
+                }
+            }
+        }
+        for slot in 0..members.slots.len() {
+            let ended = match &mut members.slots[slot] {
+                Some(w) if w.has_work() => w.on_readable(&registry).err(),
+                _ => None,
+            };
+            if let Some(end) = ended {
+                members.finish(slot, end);
+            }
+        }
+    }
+}
+
+/// A gap being filled by the engine's replay socket.
+struct Replay {
+    start: u64,
+    end: u64,
+    deadline: Instant,
+    first: Option<u64>,
+    last: Option<u64>,
+    contiguous: bool,
+    /// The live batch that revealed the gap, applied once the replay is over.
+    held: (u64, Vec<zmq::Message>),
+}
+
+enum Mode {
+    /// Reading the SUB socket (once the ready gate is open).
+    Live,
+    /// Reading the DEALER until the end marker, a bad answer or the deadline; live
+    /// messages wait in the SUB queue meanwhile.
+    Replaying(Box<Replay>),
+}
+
+/// One listener's state, owned by its group's thread.
 struct Worker {
     ctx: zmq::Context,
     config: ListenerConfig,
     sub: zmq::Socket,
     dealer: Option<zmq::Socket>,
-    wake: PipeReader,
+    /// Index in the group (its poller tokens).
+    slot: usize,
+    /// The SUB may have a message: an edge of its `ZMQ_FD` came, or it was not read empty.
+    sub_ready: bool,
+    /// The same for the DEALER.
+    dealer_ready: bool,
+    mode: Mode,
     sink: Arc<dyn KvEventSink>,
     shared: Arc<Shared>,
     normalizer: Normalizer,
@@ -387,71 +708,135 @@ struct Worker {
     stale_log: LogLimiter,
 }
 
+/// The payload frame of a live message (`[topic, seq, payload]`, checked when parsed).
+fn live_payload(frames: &[zmq::Message]) -> &[u8] {
+    frames.get(2).map_or(&[], |m| &m[..])
+}
+
 impl Worker {
     fn stopping(&self) -> bool {
         self.shared.stop.load(Ordering::Acquire)
     }
 
-    fn run(&mut self) {
-        let wid = self.config.worker.worker_id.0;
-        let rank = self.config.worker.dp_rank.0;
-        let _span =
-            tracing::info_span!("kv_events_listener", worker_id = wid, dp_rank = rank).entered();
-        let end = loop {
-            if self.stopping() {
-                break ListenerState::Stopped;
-            }
-            // Behind the closed ready gate only the wake pipe is watched.
-            let live = self
-                .shared
-                .open
-                .load(Ordering::Acquire)
-                .then_some(&self.sub);
-            match wait(live, &mut self.wake, IDLE_POLL_MS) {
-                Ok(false) | Err(Some(zmq::Error::EINTR)) => continue,
-                Ok(true) => {}
-                Err(None) => break ListenerState::Stopped,
-                Err(Some(e)) => {
-                    break ListenerState::Failed {
-                        error: e.to_string(),
-                    };
-                }
-            }
-            match recv_frames(&self.sub) {
-                Ok(Some((frames, count))) => self.on_live(&frames, count),
-                Ok(None) => {}
-                Err(zmq::Error::EINTR) => {}
-                Err(e) => {
-                    break ListenerState::Failed {
-                        error: e.to_string(),
-                    };
-                }
-            }
-        };
-        if let ListenerState::Failed { error } = &end {
-            tracing::error!(error = %error, "live KV-event socket failed; listener stopped");
+    /// Whether the group should let this listener read now: its current socket may have a
+    /// message (the SUB only once the gate is open).
+    fn has_work(&self) -> bool {
+        match self.mode {
+            Mode::Replaying(_) => self.dealer_ready,
+            Mode::Live => self.sub_ready && self.shared.open.load(Ordering::Acquire),
         }
-        *self.shared.state.lock() = end;
     }
 
-    fn on_live(&mut self, frames: &[zmq::Message], count: usize) {
+    fn deadline(&self) -> Option<Instant> {
+        match &self.mode {
+            Mode::Replaying(r) => Some(r.deadline),
+            Mode::Live => None,
+        }
+    }
+
+    fn check_deadline(&mut self, registry: &mio::Registry, now: Instant) {
+        if self.deadline().is_some_and(|d| now >= d) {
+            self.end_replay(registry, ReplayEnd::TimedOut);
+        }
+    }
+
+    /// Closes the sockets, then publishes the end state and wakes whoever waits in `stop`.
+    fn finish(mut self, registry: &mio::Registry, end: ListenerState) {
+        if matches!(self.mode, Mode::Replaying(_)) {
+            self.end_replay(registry, ReplayEnd::Stopped);
+        }
+        deregister(registry, &self.sub);
+        if let Some(dealer) = &self.dealer {
+            deregister(registry, dealer);
+        }
+        if let ListenerState::Failed { error } = &end {
+            let wid = self.config.worker.worker_id.0;
+            let rank = self.config.worker.dp_rank.0;
+            tracing::error!(worker_id = wid, dp_rank = rank, error = %error, "live KV-event socket failed; listener stopped");
+        }
+        let shared = Arc::clone(&self.shared);
+        drop(self);
+        *shared.state.lock() = end;
+        shared.ended.notify_all();
+    }
+
+    /// Reads up to [`BURST`] messages of the current socket. Clears its ready flag only when
+    /// `ZMQ_EVENTS` shows it empty, so a listener cut off by the burst limit is let back in
+    /// without waiting for an edge. `Err` ends the listener.
+    fn on_readable(&mut self, registry: &mio::Registry) -> Result<(), ListenerState> {
+        for _ in 0..BURST {
+            if self.stopping() {
+                break;
+            }
+            let replaying = matches!(self.mode, Mode::Replaying(_));
+            let socket = match (replaying, &self.dealer) {
+                (false, _) => &self.sub,
+                (true, Some(dealer)) => dealer,
+                (true, None) => {
+                    self.end_replay(registry, ReplayEnd::SendFailed);
+                    continue;
+                }
+            };
+            let readable = socket.get_events().map(|e| e.contains(zmq::POLLIN));
+            let received = match readable {
+                Ok(true) => recv_frames(socket),
+                Ok(false) => {
+                    if replaying {
+                        self.dealer_ready = false;
+                    } else {
+                        self.sub_ready = false;
+                    }
+                    break;
+                }
+                Err(e) => Err(e),
+            };
+            match received {
+                // Another thread's signal raced the check; look again.
+                Ok(None) | Err(zmq::Error::EINTR) => {}
+                Ok(Some((frames, count))) if replaying => {
+                    self.on_replayed(registry, &frames, count);
+                }
+                Ok(Some((frames, count))) => self.on_live(registry, frames, count),
+                Err(_) if replaying => self.end_replay(registry, ReplayEnd::BadResponse),
+                Err(e) => {
+                    return Err(ListenerState::Failed {
+                        error: e.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn on_live(&mut self, registry: &mio::Registry, frames: Vec<zmq::Message>, count: usize) {
         let parsed = if count == frames.len() {
             let slices: Vec<&[u8]> = frames.iter().map(|m| &m[..]).collect();
-            parse_live_frames(&slices).map(|m| (m.seq, m.payload))
+            parse_live_frames(&slices).map(|m| m.seq)
         } else {
             Err(FrameError::WrongFrameCount { count })
         };
-        let (seq, payload) = match parsed {
-            Ok(v) => v,
+        let seq = match parsed {
+            Ok(seq) => seq,
             Err(e) => {
                 self.drop_message(DropReason::from(&e), &e);
                 return;
             }
         };
-        if let SeqObservation::Gap { start, end } = self.watermark.observe(seq) {
-            ListenerStats::add(&self.shared.stats.gaps_detected, 1);
-            self.handle_gap(start, end);
-        }
+        let frames = match self.watermark.observe(seq) {
+            SeqObservation::Gap { start, end } => {
+                ListenerStats::add(&self.shared.stats.gaps_detected, 1);
+                match self.begin_replay(registry, start, end, (seq, frames)) {
+                    Ok(()) => return,
+                    Err(frames) => frames,
+                }
+            }
+            _ => frames,
+        };
+        self.resume_live(seq, live_payload(&frames));
+    }
+
+    /// Applies a live batch unless a replay already covered it.
+    fn resume_live(&mut self, seq: u64, payload: &[u8]) {
         if self.watermark.observe(seq) == SeqObservation::Stale {
             ListenerStats::add(&self.shared.stats.stale_batches, 1);
             if self.stale_log.allow() {
@@ -512,9 +897,17 @@ impl Worker {
         self.shared.watermark.store(seq, Ordering::Release);
     }
 
-    /// §10.3: replays `[start, end)` when a replay endpoint is configured; otherwise the
-    /// batches are lost (logged and counted).
-    fn handle_gap(&mut self, start: u64, end: u64) {
+    /// §10.3: asks the engine to replay from `start` (the batches `[start, end)` are
+    /// missing) and holds the live batch until the replay is over. Without a replay
+    /// endpoint the batches are lost (logged and counted); when the request cannot be sent
+    /// the replay ends at once. Either way the live batch comes back to be applied now.
+    fn begin_replay(
+        &mut self,
+        registry: &mio::Registry,
+        start: u64,
+        end: u64,
+        held: (u64, Vec<zmq::Message>),
+    ) -> Result<(), Vec<zmq::Message>> {
         if self.config.replay_endpoint.is_none() {
             ListenerStats::add(&self.shared.stats.batches_lost, end - start);
             tracing::warn!(
@@ -522,23 +915,102 @@ impl Worker {
                 end,
                 "KV-event sequence gap and no replay endpoint: batches lost"
             );
-            return;
+            return Err(held.1);
         }
         ListenerStats::add(&self.shared.stats.replays_requested, 1);
-        let mut first: Option<u64> = None;
-        let mut last: Option<u64> = None;
-        let mut contiguous = true;
-        let outcome = self.replay(start, |seq| {
-            if first.is_none() {
-                first = Some(seq);
+        let replay = Replay {
+            start,
+            end,
+            deadline: Instant::now() + self.config.replay_timeout,
+            first: None,
+            last: None,
+            contiguous: true,
+            held,
+        };
+        let sent = match self.ensure_dealer(registry) {
+            Ok(dealer) => dealer
+                .send_multipart([&b""[..], &start.to_be_bytes()[..]], 0)
+                .map_err(|e| tracing::warn!(error = %e, "replay request could not be sent")),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot open the replay socket");
+                Err(())
             }
-            if let Some(prev) = last
+        };
+        self.mode = Mode::Replaying(Box::new(replay));
+        // A send can make the socket readable without an edge (module docs).
+        self.dealer_ready = true;
+        if sent.is_err() {
+            let held = self.close_replay(registry, ReplayEnd::SendFailed);
+            return Err(held.map(|(_, frames)| frames).unwrap_or_default());
+        }
+        Ok(())
+    }
+
+    /// One answer of the replay socket: `["", seq, payload]` (SGLang) or
+    /// `["", topic, seq, payload]` (vLLM); an empty payload is the end marker.
+    fn on_replayed(&mut self, registry: &mio::Registry, frames: &[zmq::Message], count: usize) {
+        let (seq_frame, payload) = match (count, frames) {
+            (3, [_, seq, payload]) => (seq, payload),
+            (4, [_, _, seq, payload]) => (seq, payload),
+            _ => return self.end_replay(registry, ReplayEnd::BadResponse),
+        };
+        let Ok(seq) = parse_seq(seq_frame) else {
+            return self.end_replay(registry, ReplayEnd::BadResponse);
+        };
+        if payload.is_empty() {
+            return self.end_replay(registry, ReplayEnd::Marker);
+        }
+        ListenerStats::add(&self.shared.stats.replayed_batches, 1);
+        if let Mode::Replaying(r) = &mut self.mode {
+            if r.first.is_none() {
+                r.first = Some(seq);
+            }
+            if let Some(prev) = r.last
                 && seq != prev.wrapping_add(1)
             {
-                contiguous = false;
+                r.contiguous = false;
             }
-            last = Some(seq);
-        });
+            r.last = Some(seq);
+        }
+        // Deviation from the reference (which applies whatever comes): a replayed batch at
+        // or below the watermark was already applied, so applying it again would only churn
+        // the index.
+        if self.watermark.observe(seq) == SeqObservation::Stale {
+            return;
+        }
+        self.apply(seq, payload);
+    }
+
+    /// Ends the replay in progress and applies the live batch it held (unless stopping).
+    fn end_replay(&mut self, registry: &mio::Registry, outcome: ReplayEnd) {
+        if let Some((seq, frames)) = self.close_replay(registry, outcome)
+            && outcome != ReplayEnd::Stopped
+        {
+            self.resume_live(seq, live_payload(&frames));
+        }
+    }
+
+    /// Ends the replay in progress: counts and logs its outcome, closes the DEALER unless
+    /// the replay finished cleanly, and returns the held live batch.
+    fn close_replay(
+        &mut self,
+        registry: &mio::Registry,
+        outcome: ReplayEnd,
+    ) -> Option<(u64, Vec<zmq::Message>)> {
+        let Mode::Replaying(r) = std::mem::replace(&mut self.mode, Mode::Live) else {
+            return None;
+        };
+        // The SUB was not read during the replay: whatever queued there is read next.
+        self.sub_ready = true;
+        let Replay {
+            start,
+            end,
+            first,
+            last,
+            contiguous,
+            held,
+            ..
+        } = *r;
         let stats = &self.shared.stats;
         let complete = outcome == ReplayEnd::Marker
             && first == Some(start)
@@ -574,89 +1046,29 @@ impl Worker {
                 "KV-event replay incomplete; live ingestion continues"
             );
         }
-    }
-
-    fn ensure_dealer(&mut self) -> Result<(), ListenerError> {
-        if self.dealer.is_none() {
-            let ep = self.config.replay_endpoint.clone().unwrap_or_default();
-            let s = new_socket(&self.ctx, zmq::DEALER, &ep, self.config.max_message_size)?;
-            s.connect(&ep).map_err(zmq_err("connect", &ep))?;
-            self.dealer = Some(s);
-        }
-        Ok(())
-    }
-
-    /// Requests replay from `start` and applies every batch until the end marker, a bad
-    /// response, the timeout or a stop request. `on_seq` sees every replayed seq.
-    fn replay(&mut self, start: u64, mut on_seq: impl FnMut(u64)) -> ReplayEnd {
-        let timeout = self.config.replay_timeout;
-        if let Err(e) = self.ensure_dealer() {
-            tracing::warn!(error = %e, "cannot open the replay socket");
-            return ReplayEnd::SendFailed;
-        }
-        let sent = match &self.dealer {
-            Some(d) => d.send_multipart([&b""[..], &start.to_be_bytes()[..]], 0),
-            None => return ReplayEnd::SendFailed,
-        };
-        if let Err(e) = sent {
-            tracing::warn!(error = %e, "replay request could not be sent");
-            self.reset_dealer();
-            return ReplayEnd::SendFailed;
-        }
-        let deadline = Instant::now() + timeout;
-        let end = loop {
-            if self.stopping() {
-                break ReplayEnd::Stopped;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                break ReplayEnd::TimedOut;
-            }
-            let slice = i64::try_from((deadline - now).as_millis()).unwrap_or(i64::MAX);
-            let Some(dealer) = self.dealer.as_ref() else {
-                break ReplayEnd::SendFailed;
-            };
-            match wait(Some(dealer), &mut self.wake, slice.max(1)) {
-                Ok(false) | Err(Some(zmq::Error::EINTR)) => continue,
-                Ok(true) => {}
-                Err(None) => break ReplayEnd::Stopped,
-                Err(Some(_)) => break ReplayEnd::BadResponse,
-            }
-            let (frames, count) = match recv_frames(dealer) {
-                Ok(Some(v)) => v,
-                Ok(None) | Err(zmq::Error::EINTR) => continue,
-                Err(_) => break ReplayEnd::BadResponse,
-            };
-            // ["", seq, payload] (SGLang) or ["", topic, seq, payload] (vLLM).
-            let (seq_frame, payload) = match (count, frames.as_slice()) {
-                (3, [_, seq, payload]) => (seq, payload),
-                (4, [_, _, seq, payload]) => (seq, payload),
-                _ => break ReplayEnd::BadResponse,
-            };
-            let Ok(seq) = parse_seq(seq_frame) else {
-                break ReplayEnd::BadResponse;
-            };
-            if payload.is_empty() {
-                break ReplayEnd::Marker;
-            }
-            ListenerStats::add(&self.shared.stats.replayed_batches, 1);
-            on_seq(seq);
-            // Deviation from the reference (which applies whatever comes): a replayed batch
-            // at or below the watermark was already applied, so applying it again would
-            // only churn the index.
-            if self.watermark.observe(seq) == SeqObservation::Stale {
-                continue;
-            }
-            self.apply(seq, payload);
-        };
-        if end != ReplayEnd::Marker {
+        if outcome != ReplayEnd::Marker
+            && let Some(dealer) = self.dealer.take()
+        {
             // Late answers to an abandoned request must not be read as answers to the next.
-            self.reset_dealer();
+            deregister(registry, &dealer);
+            self.dealer_ready = false;
         }
-        end
+        Some(held)
     }
 
-    fn reset_dealer(&mut self) {
-        self.dealer = None;
+    fn ensure_dealer(&mut self, registry: &mio::Registry) -> Result<&zmq::Socket, String> {
+        let dealer = match self.dealer.take() {
+            Some(d) => d,
+            None => {
+                let ep = self.config.replay_endpoint.clone().unwrap_or_default();
+                let s = new_socket(&self.ctx, zmq::DEALER, &ep, self.config.max_message_size)
+                    .map_err(|e| e.to_string())?;
+                s.connect(&ep)
+                    .map_err(|e| format!("zmq connect failed for {ep:?}: {e}"))?;
+                register(registry, s.get_fd(), dealer_token(self.slot))?;
+                s
+            }
+        };
+        Ok(self.dealer.insert(dealer))
     }
 }

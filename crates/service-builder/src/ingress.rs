@@ -5,14 +5,17 @@
 //! indexed blocks; every other rank of the previous record is stopped and its blocks
 //! dropped; new ranks get a fresh listener. Listeners share ZMQ contexts (one I/O thread
 //! for hundreds of sockets), at most [`LISTENERS_PER_CONTEXT`] per context: libzmq caps a
-//! context at 1,023 sockets.
+//! context at 1,023 sockets. They also share threads: a [`ListenerGroup`] polls about
+//! [`LISTENERS_PER_GROUP`] of them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use kv_events::{KvEventListener, ListenerConfig, ListenerState, ListenerStats};
+use kv_events::{
+    KvEventListener, ListenerConfig, ListenerError, ListenerGroup, ListenerState, ListenerStats,
+};
 use kv_types::{KvOperation, WorkerId, WorkerKey};
 use parking_lot::Mutex;
 
@@ -108,9 +111,48 @@ impl ContextPool {
     }
 }
 
+/// Listeners per group thread: 1,200 (worker, rank) streams need 19 threads instead of 1,200
+/// (past the `pids.max` of many container platforms). A wake-up costs only what its ready
+/// sockets cost, so the bound is about parallelism: a group decodes and indexes on one core.
+const LISTENERS_PER_GROUP: usize = 64;
+
+/// Listener groups with room for about `cap` listeners each. Groups are kept once made (an
+/// idle one wakes every few seconds); the cap is soft, since two registrations racing may
+/// both pick the last place.
+#[derive(Debug)]
+struct GroupPool {
+    cap: usize,
+    groups: Mutex<Vec<ListenerGroup>>,
+}
+
+impl GroupPool {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap: cap.max(1),
+            groups: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn group(&self) -> Result<ListenerGroup, ListenerError> {
+        let mut groups = self.groups.lock();
+        if let Some(g) = groups.iter().find(|g| g.len() < self.cap) {
+            return Ok(g.clone());
+        }
+        let g = ListenerGroup::new(format!("kv-events-{}", groups.len()))?;
+        groups.push(g.clone());
+        Ok(g)
+    }
+
+    #[cfg(test)]
+    fn groups(&self) -> usize {
+        self.groups.lock().len()
+    }
+}
+
 /// The set of running listeners.
 pub(crate) struct Ingress {
     contexts: ContextPool,
+    groups: GroupPool,
     sink: Arc<dyn IngressSink>,
     replay_timeout: Duration,
     listeners: Mutex<HashMap<WorkerKey, Registered>>,
@@ -130,6 +172,7 @@ impl Ingress {
     pub(crate) fn new(sink: Arc<dyn IngressSink>, replay_timeout: Duration) -> Self {
         Self {
             contexts: ContextPool::new(LISTENERS_PER_CONTEXT),
+            groups: GroupPool::new(LISTENERS_PER_GROUP),
             sink,
             replay_timeout,
             listeners: Mutex::new(HashMap::new()),
@@ -186,7 +229,7 @@ impl Ingress {
                 }
             }
         }
-        // Stop outside the lock: joining a listener thread takes up to one poll slice.
+        // Stop outside the lock: a stop waits for the batch its group is applying.
         for (key, r) in to_stop {
             r.listener.stop();
             r.partition.index.write().remove_rank(key);
@@ -213,7 +256,10 @@ impl Ingress {
             let pk = partition.key.clone();
             let apply = move |ops: &[KvOperation]| sink.apply(&pk, ops);
             let lease = self.contexts.lease();
-            match KvEventListener::start_in(&lease.0.ctx, cfg, Arc::new(apply)) {
+            let started_on = self.groups.group().and_then(|group| {
+                KvEventListener::start_on(&group, &lease.0.ctx, cfg, Arc::new(apply))
+            });
+            match started_on {
                 Ok(l) => {
                     started.insert(
                         key,
@@ -326,7 +372,34 @@ fn stop_together(listeners: Vec<Registered>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{ContextPool, check_endpoint};
+    use super::{ContextPool, GroupPool, check_endpoint};
+    use kv_events::{KvEventListener, ListenerConfig};
+    use kv_types::{KvOperation, WorkerKey};
+
+    #[test]
+    fn groups_fill_up_to_the_cap_and_reuse_freed_places() {
+        let pool = GroupPool::new(2);
+        let ctx = zmq::Context::new();
+        let start = |w: u64| {
+            let group = pool.group().expect("group thread starts");
+            // Nothing listens there: ZMQ keeps retrying the connect, which is all this needs.
+            let config = ListenerConfig::new(WorkerKey::new(w, 0), "tcp://127.0.0.1:1", 4);
+            let sink = std::sync::Arc::new(|_: &[KvOperation]| {});
+            let listener = KvEventListener::start_on(&group, &ctx, config, sink);
+            (group, listener.expect("listener starts"))
+        };
+        let mut started: Vec<_> = (0..5).map(start).collect();
+        assert_eq!(pool.groups(), 3);
+        let lens: Vec<usize> = started.iter().map(|(g, _)| g.len()).collect();
+        assert_eq!(lens, [2, 2, 2, 2, 1]);
+        // A stopped listener's place is the next one given, without a new group.
+        let (_, listener) = started.remove(1);
+        listener.stop();
+        let (group, _again) = start(5);
+        assert_eq!(group.len(), 2);
+        assert_eq!(pool.groups(), 3);
+        assert_eq!(started[0].0.len(), 2);
+    }
 
     #[test]
     fn contexts_fill_up_to_the_cap_and_reuse_freed_places() {

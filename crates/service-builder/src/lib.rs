@@ -24,8 +24,9 @@
 //!   busy test sees its load.
 //! - A failed operation changes no state: claims of reservation ids are released on every
 //!   error path (a drop guard), and bookings are made last.
-//! - Each KV listener (one per `(worker, dp_rank)` with an endpoint) is a thread and about
-//!   five file descriptors; listeners share ZMQ contexts, at most 500 per context (libzmq
+//! - Each KV listener (one per `(worker, dp_rank)` with an endpoint) costs about three file
+//!   descriptors and runs on a shared thread (a group of up to 64 listeners); listeners
+//!   share ZMQ contexts, at most 500 per context (libzmq
 //!   refuses a context's 1,024th socket). A host that registers many event-driven workers
 //!   raises its open-file limit (select-server does at startup).
 //!

@@ -15,7 +15,9 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_events::{DropReason, KvEventListener, ListenerConfig, ListenerState, ListenerStats};
+use kv_events::{
+    DropReason, KvEventListener, ListenerConfig, ListenerGroup, ListenerState, ListenerStats,
+};
 use kv_types::{ExternalHash, KvOperation, KvOperationKind, WorkerKey};
 use parking_lot::Mutex;
 use rmpv::Value;
@@ -471,6 +473,96 @@ fn stop_is_immediate_when_gated_idle_or_replaying() {
     // The replay ended because of the stop, not a timeout.
     assert_eq!(get(&stats.replays_incomplete), 1);
     assert_eq!(get(&stats.replays_timed_out), 0);
+}
+
+/// One group thread runs many listeners: each stream reaches its own sink, a replay that
+/// never answers holds up only its own listener, and stopping one leaves the rest running.
+#[test]
+fn a_group_runs_many_listeners_and_a_stuck_replay_holds_up_only_its_own() {
+    let ctx = zmq::Context::new();
+    let group = ListenerGroup::new("kv-events-test-group").unwrap();
+    let mut streams: Vec<_> = (0..10u64)
+        .map(|w| {
+            let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+            let (sink, rx) = Collector::new();
+            let config = ListenerConfig::new(WorkerKey::new(w, 0), ep, 4);
+            let listener = KvEventListener::start_on(&group, &ctx, config, sink).unwrap();
+            (w, publisher, rx, listener)
+        })
+        .collect();
+    assert_eq!(group.len(), 10);
+    for (w, publisher, rx, _) in &streams {
+        let ops = rx.publish_until_delivered(publisher, 0, &batch(vec![stored(&[w + 1], None)]));
+        assert_eq!(ops[0].worker, WorkerKey::new(*w, 0));
+        assert_eq!(hashes_of(&ops[0]), vec![w + 1]);
+    }
+
+    // An engine whose replay socket never answers, on the same group, with a replay
+    // timeout longer than the wait bound of `rx.next()` below.
+    let (stuck_publisher, stuck_ep) = bind_free(&ctx, zmq::PUB);
+    let (_silent_router, replay_ep) = bind_free(&ctx, zmq::ROUTER);
+    let (sink, stuck_rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(99, 0), stuck_ep, 4)
+        .with_replay_endpoint(replay_ep)
+        .with_replay_timeout(Duration::from_secs(60));
+    let stuck = KvEventListener::start_on(&group, &ctx, config, sink).unwrap();
+    stuck_rx.publish_until_delivered(&stuck_publisher, 0, &batch(vec![cleared()]));
+    publish(&stuck_publisher, 5, &batch(vec![cleared()]));
+    let stuck_stats = Arc::clone(stuck.stats());
+    wait_until(|| get(&stuck_stats.replays_requested) == 1);
+
+    // Meanwhile every other stream of the group is read.
+    for (w, publisher, rx, _) in &streams {
+        publish(publisher, 1, &batch(vec![stored(&[100 + w], Some(w + 1))]));
+        let ops = rx.next();
+        assert_eq!((ops[0].event_id, hashes_of(&ops[0])), (1, vec![100 + w]));
+    }
+    assert_eq!(
+        get(&stuck_stats.replays_timed_out) + get(&stuck_stats.replays_incomplete),
+        0,
+        "the stuck replay is still in progress"
+    );
+    stuck_rx.assert_quiet();
+
+    let (_, _, _, first) = streams.remove(0);
+    first.stop();
+    assert_eq!(group.len(), 10);
+    for (w, publisher, rx, _) in &streams {
+        publish(publisher, 2, &batch(vec![stored(&[200 + w], None)]));
+        assert_eq!(rx.next()[0].event_id, 2);
+    }
+    stuck.stop();
+    assert_eq!(get(&stuck_stats.replays_incomplete), 1);
+    drop(streams);
+    assert!(group.is_empty());
+}
+
+/// A burst far larger than what a listener reads per turn arrives whole and in order: a
+/// listener cut off mid-queue is let back in without waiting for another signal of its socket
+/// (none would come for messages already queued).
+#[test]
+fn a_burst_longer_than_one_turn_is_read_to_the_end() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let listener =
+        KvEventListener::start(ListenerConfig::new(WorkerKey::new(8, 0), ep, 4), sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    let payload = batch(vec![stored(&[1], None)]);
+    let started = Instant::now();
+    for seq in 1..=500 {
+        publish(&publisher, seq, &payload);
+    }
+    for seq in 1..=500 {
+        assert_eq!(rx.next()[0].event_id, seq);
+    }
+    // Well below the group's 5 s periodic re-check, which would otherwise be what resumes
+    // the listener after each turn (about 35 s for the whole burst).
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(4), "the burst took {took:?}");
+    let stats = listener.stats();
+    assert_eq!(get(&stats.gaps_detected), 0);
+    assert_eq!(listener.watermark(), Some(500));
 }
 
 #[test]
