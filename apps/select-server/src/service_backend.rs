@@ -30,17 +30,22 @@ pub struct ServiceBackend {
     /// Whether a non-advisory `/select` may wait in the admission queue (a busy threshold
     /// is configured), so it must not run on an async worker.
     select_may_wait: bool,
+    /// Whether session affinity is on: a booking naming a session may then wait (up to 5 s)
+    /// behind a concurrent first booking of the same session.
+    sessions_enabled: bool,
 }
 
 impl ServiceBackend {
     pub fn new(service: Arc<SelectionService>) -> Self {
         let select_may_wait = service.core().queueing_enabled();
+        let sessions_enabled = service.core().config().session_affinity_ttl.is_some();
         let mut registry = Registry::default();
         service.register_metrics(&mut registry);
         Self {
             service,
             registry,
             select_may_wait,
+            sessions_enabled,
         }
     }
 
@@ -385,9 +390,21 @@ impl Backend for ServiceBackend {
         req: SelectAndReserveRequest,
     ) -> ApiResult<SelectionResponse> {
         let r = select_request(req.prompt, req.options, false)?;
-        self.blocking(move |c| c.select_and_reserve(r))
-            .await
+        let names_session = r.session_id.is_some() || r.session_context.is_some();
+        if self.select_may_wait || (self.sessions_enabled && names_session) {
+            return self
+                .blocking(move |c| c.select_and_reserve(r))
+                .await
+                .map(selection_response);
+        }
+        // Inline when nothing can make it wait, as `select`: the booking adds brief ledger and
+        // index sections, less than the two thread hand-offs of the blocking pool. At one
+        // connection (2,048 tokens, 8 workers, approximate mode) a select_and_reserve + free
+        // cycle went from 283–317 to 227–243 µs of server CPU, p50 403–411 to 366–372 µs.
+        self.core()
+            .select_and_reserve(r)
             .map(selection_response)
+            .map_err(api_error)
     }
 
     async fn create_reservation(&self, req: ReservationRequest) -> ApiResult<ReservationResponse> {
@@ -402,7 +419,12 @@ impl Backend for ServiceBackend {
             effective_prefill_tokens: req.effective_prefill_tokens,
             track_prefill_tokens: req.track_prefill_tokens,
         };
-        let out = self.blocking(move |c| c.create_reservation(r)).await?;
+        // Only a session's first booking can make a reservation wait (see `select_and_reserve`).
+        let out = if self.sessions_enabled {
+            self.blocking(move |c| c.create_reservation(r)).await?
+        } else {
+            self.core().create_reservation(r).map_err(api_error)?
+        };
         Ok(ReservationResponse {
             selection_id: out.selection_id,
             model_name: out.model_name,
