@@ -68,6 +68,25 @@ impl ServiceBackend {
             Err(e) => Err(ApiError::internal(format!("service task failed: {e}"))),
         }
     }
+
+    /// Runs a core operation on the blocking pool when it may wait (in the admission queue,
+    /// behind a session's first booking), else inline on the async worker: an operation that
+    /// cannot wait only takes brief parking_lot sections, tens of microseconds, less than the
+    /// two thread hand-offs of `spawn_blocking`, which were the largest cost in the profile
+    /// of `/select` (docs/hot-path.md). For a booking, at one connection (2,048 tokens,
+    /// 8 workers, approximate mode) a select_and_reserve + free cycle went from 283–317 to
+    /// 227–243 µs of server CPU.
+    async fn run<T: Send + 'static>(
+        &self,
+        may_wait: bool,
+        f: impl FnOnce(&SelectionCore) -> Result<T, SelectionError> + Send + 'static,
+    ) -> ApiResult<T> {
+        if may_wait {
+            self.blocking(f).await
+        } else {
+            f(self.service.core()).map_err(api_error)
+        }
+    }
 }
 
 fn api_error(e: SelectionError) -> ApiError {
@@ -369,20 +388,9 @@ impl Backend for ServiceBackend {
     async fn select(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
         let may_wait = self.select_may_wait && !req.advisory;
         let r = select_request(req.prompt, req.options, req.advisory)?;
-        if may_wait {
-            return self
-                .blocking(move |c| c.select(r))
-                .await
-                .map(selection_response);
-        }
-        // Inline, not on the blocking pool: without admission queueing a selection that
-        // books nothing only takes brief parking_lot sections and costs tens of
-        // microseconds, less than the two thread hand-offs of `spawn_blocking`, which were
-        // the largest cost in the profile (docs/hot-path.md).
-        self.core()
-            .select(r)
+        self.run(may_wait, move |c| c.select(r))
+            .await
             .map(selection_response)
-            .map_err(api_error)
     }
 
     async fn select_and_reserve(
@@ -391,20 +399,10 @@ impl Backend for ServiceBackend {
     ) -> ApiResult<SelectionResponse> {
         let r = select_request(req.prompt, req.options, false)?;
         let names_session = r.session_id.is_some() || r.session_context.is_some();
-        if self.select_may_wait || (self.sessions_enabled && names_session) {
-            return self
-                .blocking(move |c| c.select_and_reserve(r))
-                .await
-                .map(selection_response);
-        }
-        // Inline when nothing can make it wait, as `select`: the booking adds brief ledger and
-        // index sections, less than the two thread hand-offs of the blocking pool. At one
-        // connection (2,048 tokens, 8 workers, approximate mode) a select_and_reserve + free
-        // cycle went from 283–317 to 227–243 µs of server CPU, p50 403–411 to 366–372 µs.
-        self.core()
-            .select_and_reserve(r)
+        let may_wait = self.select_may_wait || (self.sessions_enabled && names_session);
+        self.run(may_wait, move |c| c.select_and_reserve(r))
+            .await
             .map(selection_response)
-            .map_err(api_error)
     }
 
     async fn create_reservation(&self, req: ReservationRequest) -> ApiResult<ReservationResponse> {
@@ -419,12 +417,10 @@ impl Backend for ServiceBackend {
             effective_prefill_tokens: req.effective_prefill_tokens,
             track_prefill_tokens: req.track_prefill_tokens,
         };
-        // Only a session's first booking can make a reservation wait (see `select_and_reserve`).
-        let out = if self.sessions_enabled {
-            self.blocking(move |c| c.create_reservation(r)).await?
-        } else {
-            self.core().create_reservation(r).map_err(api_error)?
-        };
+        // Only a session's first booking can make a reservation wait.
+        let out = self
+            .run(self.sessions_enabled, move |c| c.create_reservation(r))
+            .await?;
         Ok(ReservationResponse {
             selection_id: out.selection_id,
             model_name: out.model_name,

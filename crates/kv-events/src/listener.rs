@@ -123,7 +123,7 @@ pub enum ListenerError {
         endpoint: String,
         source: zmq::Error,
     },
-    #[error("could not spawn the listener thread: {0}")]
+    #[error("could not spawn the listener group's thread: {0}")]
     Spawn(#[source] std::io::Error),
     #[error("could not create the listener group's poller: {0}")]
     Poller(#[source] std::io::Error),
@@ -780,7 +780,12 @@ impl Worker {
             let readable = socket.get_events().map(|e| e.contains(zmq::POLLIN));
             let received = match readable {
                 Ok(true) => recv_frames(socket),
-                Ok(false) => {
+                Ok(false) => Ok(None),
+                Err(e) => Err(e),
+            };
+            match received {
+                Ok(None) => {
+                    // Read empty: only a new edge brings this socket back.
                     if replaying {
                         self.dealer_ready = false;
                     } else {
@@ -788,11 +793,7 @@ impl Worker {
                     }
                     break;
                 }
-                Err(e) => Err(e),
-            };
-            match received {
-                // Another thread's signal raced the check; look again.
-                Ok(None) | Err(zmq::Error::EINTR) => {}
+                Err(zmq::Error::EINTR) => {}
                 Ok(Some((frames, count))) if replaying => {
                     self.on_replayed(registry, &frames, count);
                 }
