@@ -1,5 +1,6 @@
 //! `select-server`: parse configuration, install tracing, build the backend, bind, serve.
 
+use std::io::IsTerminal as _;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -16,6 +17,9 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal: in journald, container logs or a
+        // file they are bytes of noise around every field.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     for warning in &cfg.warnings {
         tracing::warn!("{warning}");

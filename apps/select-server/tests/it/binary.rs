@@ -593,3 +593,36 @@ fn startup_raises_the_open_file_limit() {
         assert_eq!(record["lifecycle"], "schedulable", "worker {id}: {record}");
     }
 }
+
+/// Logs written to a file or a pipe carry no terminal colour codes: an operator's log
+/// pipeline gets plain `key=value` fields.
+#[test]
+fn logs_to_a_file_have_no_colour_codes() {
+    let dir = std::env::temp_dir().join(format!("select-server-logs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("stderr.log");
+    let server = (0..3)
+        .find_map(|_| {
+            let port = free_port();
+            let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
+                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap();
+            wait_until_listening(child, port).map(|child| Server { child, port })
+        })
+        .expect("server listens");
+    let (status, _) = server.post(
+        "/workers",
+        json!({"worker_id": 3, "endpoint": "http://w3", "block_size": 16, "kv_events_endpoint": "tcp://127.0.0.1:1"}),
+    );
+    assert_eq!(status, 201);
+    drop(server);
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(text.contains("kv-select listening"), "{text}");
+    assert!(text.contains("worker registered worker_id=3"), "{text}");
+    assert!(!text.contains('\u{1b}'), "colour codes in {text:?}");
+}
