@@ -18,6 +18,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -41,8 +42,14 @@ fn run(cmd: &mut Command, what: &str) {
     );
 }
 
-/// The venv's python and vLLM's module, set up on first use.
-fn fixture() -> (PathBuf, PathBuf) {
+/// The venv's python and vLLM's module, set up once per test process (the tests of this
+/// module share it, and a second setup racing the first would corrupt the venv).
+fn fixture() -> &'static (PathBuf, PathBuf) {
+    static FIXTURE: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    FIXTURE.get_or_init(set_up)
+}
+
+fn set_up() -> (PathBuf, PathBuf) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("select-server-vllm-0.33.0");
     let python = dir.join("bin").join("python");
     let module = dir.join("kv_events.py");
@@ -94,12 +101,33 @@ impl Engine {
     /// Starts the publisher on two free loopback ports, with fresh ports when one was
     /// taken between the probe and the bind.
     fn start(python: &Path, module: &Path) -> Engine {
-        for _ in 0..3 {
+        Self::start_with(python, module, || {
             let (pub_port, replay_port) = (free_port(), free_port());
+            (pub_port, replay_port, vec![replay_port.to_string()])
+        })
+    }
+
+    /// Starts vLLM's publisher of data-parallel rank `rank` without a replay socket:
+    /// `pub_port` is the engine's base port, and vLLM binds `pub_port + rank`.
+    fn start_rank(python: &Path, module: &Path, rank: u16) -> Engine {
+        Self::start_with(python, module, || {
+            let base = free_port_pair(rank);
+            (base, 0, vec!["-".to_owned(), rank.to_string()])
+        })
+    }
+
+    fn start_with(
+        python: &Path,
+        module: &Path,
+        mut ports: impl FnMut() -> (u16, u16, Vec<String>),
+    ) -> Engine {
+        for _ in 0..3 {
+            let (pub_port, replay_port, rest) = ports();
             let mut child = Command::new(python)
                 .arg(script("vllm_publisher.py"))
                 .arg(module)
-                .args([pub_port.to_string(), replay_port.to_string()])
+                .arg(pub_port.to_string())
+                .args(rest)
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
@@ -155,6 +183,20 @@ impl Drop for Server {
     }
 }
 
+/// A port `p` such that `p + offset` was free a moment ago (and `p` too).
+fn free_port_pair(offset: u16) -> u16 {
+    for _ in 0..50 {
+        let p = free_port();
+        let Some(q) = p.checked_add(offset) else {
+            continue;
+        };
+        if std::net::TcpListener::bind(("127.0.0.1", q)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no free loopback port pair with offset {offset}");
+}
+
 fn overlap(port: u16, request: &Value) -> Value {
     let (status, body) = call(port, "POST", "/select", Some(request));
     assert_eq!(status, 200, "{body}");
@@ -190,7 +232,7 @@ fn metric(port: u16, prefix: &str) -> Option<u64> {
 #[test]
 fn vllm_real_publisher_drives_selection_end_to_end() {
     let (python, module) = fixture();
-    let mut engine = Engine::start(&python, &module);
+    let mut engine = Engine::start(python, module);
     // Published before anyone subscribes: only the replay socket can deliver it.
     engine.step("root");
 
@@ -286,4 +328,53 @@ fn vllm_real_publisher_drives_selection_end_to_end() {
         .filter(|l| l.starts_with("kv_select_kv_dropped_batches_total") && !l.ends_with(" 0"))
         .collect();
     assert!(dropped.is_empty(), "batches dropped: {dropped:?}");
+}
+
+/// A data-parallel vLLM engine: its rank-1 publisher binds the base port + 1 and stamps its
+/// batches with `data_parallel_rank = 1`; registered per rank (`kv_events_endpoints`), the
+/// blocks land on rank 1 of the worker and nowhere else.
+#[test]
+fn vllm_data_parallel_rank_lands_on_its_rank() {
+    let (python, module) = fixture();
+    let mut engine = Engine::start_rank(python, module, 1);
+    let base = engine.pub_port;
+    let (child, port) = spawn_on_free_port(&[], &[], |_| Stdio::null()).unwrap();
+    let _server = Server(child, port);
+    let (status, record) = call(
+        port,
+        "POST",
+        "/workers",
+        Some(&json!({
+            "worker_id": 2,
+            "endpoint": "http://w2",
+            "block_size": 4,
+            "data_parallel_size": 2,
+            "kv_events_endpoints": {
+                "0": format!("tcp://127.0.0.1:{base}"),
+                "1": format!("tcp://127.0.0.1:{}", base + 1),
+            },
+        })),
+    );
+    assert_eq!((status, &record["lifecycle"]), (201, &json!("schedulable")));
+    // Without a replay socket, what the subscription misses while it joins is lost; the
+    // engine's stores are idempotent, so republishing until they show is enough.
+    let root = json!({ "token_ids": (1000..1008).collect::<Vec<u32>>() });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let seen = loop {
+        engine.step("root");
+        std::thread::sleep(Duration::from_millis(50));
+        let o = overlap(port, &root);
+        if o["gpu"] == 8 || Instant::now() > deadline {
+            break o;
+        }
+    };
+    assert_eq!(
+        seen,
+        json!({"longest_matched": 8, "gpu": 8, "dp": {"0": 0, "1": 8}, "cpu": 8, "disk": 8})
+    );
+    let (_, selected) = call(port, "POST", "/select", Some(&root));
+    assert_eq!(
+        (&selected["worker_id"], &selected["dp_rank"]),
+        (&json!(2), &json!(1))
+    );
 }

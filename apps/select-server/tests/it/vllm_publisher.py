@@ -8,7 +8,8 @@ Both sockets bind 127.0.0.1 only.
 Reads one step name per line on stdin, publishes that step's batch, waits until vLLM's
 publisher thread has sent it, and answers "ok" on stdout. Exits when stdin closes.
 
-argv: <kv_events.py> <pub port> <replay port>
+argv: <kv_events.py> <pub port> <replay port, or - for none> [data-parallel rank]
+A rank r > 0 makes vLLM bind port + r (and replay port + r), as it does for DP engines.
 """
 
 import importlib.util
@@ -56,7 +57,8 @@ def load(path):
 
 
 def main():
-    path, pub_port, replay_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    path, pub_port, replay_port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     kv = load(path)
 
     class LoopbackPublisher(kv.ZmqEventPublisher):
@@ -67,9 +69,9 @@ def main():
             return True
 
     publisher = LoopbackPublisher(
-        data_parallel_rank=0,
+        data_parallel_rank=rank,
         endpoint=f"tcp://127.0.0.1:{pub_port}",
-        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        replay_endpoint=None if replay_port == "-" else f"tcp://127.0.0.1:{replay_port}",
         topic="kv@interop",
     )
 
