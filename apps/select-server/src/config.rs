@@ -58,6 +58,15 @@ Environment (router configuration, read once at startup; defaults in parentheses
   DYN_ROUTER_MIN_INITIAL_WORKERS (0)
 Booleans accept 1/true/on/yes and 0/false/off/no; an empty variable counts as unset.";
 
+/// How log lines are written (`--log-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// `tracing`'s text lines: timestamp, level, target, message, `key=value` fields.
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `fields` (with `message`).
+    Json,
+}
+
 /// The `select-server` command line (`service-semantics.md` §15.1 plus kv-select's own flags).
 #[derive(Debug, Parser)]
 #[command(
@@ -154,6 +163,11 @@ struct Cli {
     #[arg(long, value_name = "PATH")]
     workers_file: Option<PathBuf>,
 
+    /// Log line format on stderr: `text` (key=value fields) or `json` (one object per line,
+    /// for log pipelines). The level comes from RUST_LOG (default info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+
     /// File of bearer tokens, one per line (blank lines and # comments ignored, at least 16
     /// bytes each); when given, every route except /health requires
     /// `Authorization: Bearer <token>` with one of them.
@@ -192,6 +206,8 @@ pub struct ServerConfig {
     pub selection_cache_max_bytes: u64,
     pub tracking: TrackingSettings,
     pub workers_file: Option<PathBuf>,
+    /// `--log-format`.
+    pub log_format: LogFormat,
     pub auth_token_file: Option<PathBuf>,
     pub auth_read_only_token_file: Option<PathBuf>,
     /// The tokens of both files, loaded and validated at parse time (digests only).
@@ -236,6 +252,7 @@ impl Default for ServerConfig {
             selection_cache_max_bytes: 268_435_456,
             tracking: TrackingSettings::default(),
             workers_file: None,
+            log_format: LogFormat::Text,
             auth_token_file: None,
             auth_read_only_token_file: None,
             auth: crate::auth::AccessTokens::default(),
@@ -439,6 +456,7 @@ impl ServerConfig {
             selection_cache_max_bytes: cli.selection_cache_max_bytes,
             tracking,
             workers_file: cli.workers_file,
+            log_format: cli.log_format,
             auth_token_file: cli.auth_token_file,
             auth_read_only_token_file: cli.auth_read_only_token_file,
             auth,
@@ -860,6 +878,15 @@ mod tests {
         assert_eq!(cfg.selection_cache_ttl, Duration::from_millis(500));
         assert!(!cfg.router.router_assume_kv_reuse);
         assert_eq!(cfg.max_active_reservations, Some(10));
+    }
+
+    #[test]
+    fn log_format_is_text_or_json() {
+        assert_eq!(parse(&[], &[]).unwrap().log_format, LogFormat::Text);
+        let cfg = parse(&["--log-format", "json"], &[]).unwrap();
+        assert_eq!(cfg.log_format, LogFormat::Json);
+        let msg = err(&["--log-format", "xml"], &[]);
+        assert!(msg.contains("--log-format"), "{msg}");
     }
 
     #[test]

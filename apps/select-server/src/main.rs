@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use select_server::config::ServerConfig;
+use select_server::config::{LogFormat, ServerConfig};
 use select_server::{
     EdgeOptions, WorkersFileWatcher, build_service, recover_from_peers, router, serve,
 };
@@ -14,13 +14,15 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cfg = ServerConfig::from_process();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
+        .with_writer(std::io::stderr);
+    match cfg.log_format {
         // Colour codes only for a person at a terminal: in journald, container logs or a
         // file they are bytes of noise around every field.
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().init(),
+    }
     for warning in &cfg.warnings {
         tracing::warn!("{warning}");
     }

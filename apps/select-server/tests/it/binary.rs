@@ -594,11 +594,14 @@ fn startup_raises_the_open_file_limit() {
     }
 }
 
-/// Logs written to a file or a pipe carry no terminal colour codes: an operator's log
-/// pipeline gets plain `key=value` fields.
-#[test]
-fn logs_to_a_file_have_no_colour_codes() {
-    let dir = std::env::temp_dir().join(format!("select-server-logs-{}", std::process::id()));
+/// Starts the binary with `args` and its stderr in a file, registers a worker, stops it and
+/// returns what it logged (at `info`).
+fn logged(args: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!(
+        "select-server-logs-{}-{}",
+        std::process::id(),
+        args.len()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("stderr.log");
     let server = (0..3)
@@ -606,6 +609,7 @@ fn logs_to_a_file_have_no_colour_codes() {
             let port = free_port();
             let child = Command::new(env!("CARGO_BIN_EXE_select-server"))
                 .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(args)
                 .env("RUST_LOG", "info")
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(&log).unwrap())
@@ -622,7 +626,35 @@ fn logs_to_a_file_have_no_colour_codes() {
     drop(server);
     let text = std::fs::read_to_string(&log).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+    text
+}
+
+/// Logs written to a file or a pipe carry no terminal colour codes: an operator's log
+/// pipeline gets plain `key=value` fields.
+#[test]
+fn logs_to_a_file_have_no_colour_codes() {
+    let text = logged(&[]);
     assert!(text.contains("kv-select listening"), "{text}");
     assert!(text.contains("worker registered worker_id=3"), "{text}");
     assert!(!text.contains('\u{1b}'), "colour codes in {text:?}");
+}
+
+/// `--log-format json`: every line is one JSON object with the level and the fields.
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let text = logged(&["--log-format", "json"]);
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let find = |message: &str| {
+        lines
+            .iter()
+            .find(|l| l["fields"]["message"] == message)
+            .unwrap_or_else(|| panic!("no {message:?} line in {text}"))
+    };
+    assert_eq!(find("kv-select listening")["level"], "INFO");
+    let registered = find("worker registered");
+    assert_eq!(registered["fields"]["worker_id"], 3);
+    assert_eq!(registered["fields"]["lifecycle"], "schedulable");
 }
