@@ -57,7 +57,8 @@
 //!   socket of the group on each wake-up with two system calls: at 32 listeners per group
 //!   that made a steady 2,000 batches/s cost 115 µs of CPU per batch, against 33–38 µs now
 //!   and 50–63 µs with a thread per listener. Under a flood (200 engines, 20,000 batches) a
-//!   batch costs 16 µs instead of 34–45 µs. The service puts 64 listeners in a group.
+//!   batch costs 16 µs instead of 34–45 µs. The service puts up to 64 listeners in a group
+//!   and keeps at least one group per core.
 //! - Deviation: replayed batches at or below the watermark are skipped rather than re-applied.
 //! - Throughput (bench `events`: one batch of 32 stored events × 16 blocks × 16 tokens,
 //!   decode + filter + re-hash on one core): median 68–78 µs per batch, i.e. 6.6–7.5 M

@@ -116,26 +116,36 @@ impl ContextPool {
 /// sockets cost, so the bound is about parallelism: a group decodes and indexes on one core.
 const LISTENERS_PER_GROUP: usize = 64;
 
-/// Listener groups with room for about `cap` listeners each. Groups are kept once made (an
-/// idle one wakes every few seconds); the cap is soft, since two registrations racing may
-/// both pick the last place.
+/// Listener groups with room for about `cap` listeners each. A group decodes and indexes on
+/// one core, so the first `min_groups` listeners (the machine's cores) get a group each and
+/// later ones go to the least loaded group with room: a few engines keep their parallelism,
+/// a thousand need a few dozen threads. Groups are kept once made (an idle one wakes every
+/// few seconds); the cap is soft, since two registrations racing may both pick the last
+/// place.
 #[derive(Debug)]
 struct GroupPool {
     cap: usize,
+    min_groups: usize,
     groups: Mutex<Vec<ListenerGroup>>,
 }
 
 impl GroupPool {
-    fn new(cap: usize) -> Self {
+    fn new(cap: usize, min_groups: usize) -> Self {
         Self {
             cap: cap.max(1),
+            min_groups,
             groups: Mutex::new(Vec::new()),
         }
     }
 
     fn group(&self) -> Result<ListenerGroup, ListenerError> {
         let mut groups = self.groups.lock();
-        if let Some(g) = groups.iter().find(|g| g.len() < self.cap) {
+        if groups.len() >= self.min_groups
+            && let Some(g) = groups
+                .iter()
+                .filter(|g| g.len() < self.cap)
+                .min_by_key(|g| g.len())
+        {
             return Ok(g.clone());
         }
         let g = ListenerGroup::new(format!("kv-events-{}", groups.len()))?;
@@ -172,7 +182,10 @@ impl Ingress {
     pub(crate) fn new(sink: Arc<dyn IngressSink>, replay_timeout: Duration) -> Self {
         Self {
             contexts: ContextPool::new(LISTENERS_PER_CONTEXT),
-            groups: GroupPool::new(LISTENERS_PER_GROUP),
+            groups: GroupPool::new(
+                LISTENERS_PER_GROUP,
+                std::thread::available_parallelism().map_or(1, usize::from),
+            ),
             sink,
             replay_timeout,
             listeners: Mutex::new(HashMap::new()),
@@ -378,7 +391,7 @@ mod tests {
 
     #[test]
     fn groups_fill_up_to_the_cap_and_reuse_freed_places() {
-        let pool = GroupPool::new(2);
+        let pool = GroupPool::new(2, 1);
         let ctx = zmq::Context::new();
         let start = |w: u64| {
             let group = pool.group().expect("group thread starts");
@@ -399,6 +412,25 @@ mod tests {
         assert_eq!(group.len(), 2);
         assert_eq!(pool.groups(), 3);
         assert_eq!(started[0].0.len(), 2);
+    }
+
+    #[test]
+    fn the_first_listeners_get_a_group_each_then_the_least_loaded_one() {
+        let pool = GroupPool::new(4, 3);
+        let ctx = zmq::Context::new();
+        let mut started = Vec::new();
+        let mut lens = Vec::new();
+        for w in 0..7 {
+            let group = pool.group().expect("group thread starts");
+            let config = ListenerConfig::new(WorkerKey::new(w, 0), "tcp://127.0.0.1:1", 4);
+            let sink = std::sync::Arc::new(|_: &[KvOperation]| {});
+            let listener = KvEventListener::start_on(&group, &ctx, config, sink);
+            started.push((group, listener.expect("listener starts")));
+            lens.push(pool.groups());
+        }
+        assert_eq!(lens, [1, 2, 3, 3, 3, 3, 3]);
+        let sizes: Vec<usize> = started.iter().take(3).map(|(g, _)| g.len()).collect();
+        assert_eq!(sizes, [3, 2, 2]);
     }
 
     #[test]

@@ -25,7 +25,8 @@
 //! - A failed operation changes no state: claims of reservation ids are released on every
 //!   error path (a drop guard), and bookings are made last.
 //! - Each KV listener (one per `(worker, dp_rank)` with an endpoint) costs about three file
-//!   descriptors and runs on a shared thread (a group of up to 64 listeners); listeners
+//!   descriptors and runs on a shared thread (a group of up to 64 listeners, at least one
+//!   group per core); listeners
 //!   share ZMQ contexts, at most 500 per context (libzmq
 //!   refuses a context's 1,024th socket). A host that registers many event-driven workers
 //!   raises its open-file limit (select-server does at startup).
