@@ -138,9 +138,22 @@ fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() 
         &text,
         r#"kv_select_kv_dropped_batches_total{worker_id="2",dp_rank="0",reason="wrong_frame_count"} 1"#,
     );
+    // A reason that never happened has no per-listener row, only its service-wide total.
+    assert!(
+        !text.contains(r#"kv_select_kv_dropped_batches_total{worker_id="2",dp_rank="0",reason="malformed_msgpack"}"#),
+        "{text}"
+    );
     has(
         &text,
-        r#"kv_select_kv_dropped_batches_total{worker_id="2",dp_rank="0",reason="malformed_msgpack"} 0"#,
+        r#"kv_select_kv_dropped_batches_by_reason_total{reason="malformed_msgpack"} 0"#,
+    );
+    has(
+        &text,
+        r#"kv_select_kv_dropped_batches_by_reason_total{reason="wrong_frame_count"} 1"#,
+    );
+    has(
+        &text,
+        r#"kv_select_kv_filtered_events_by_reason_total{reason="unknown_medium"} 0"#,
     );
     has(
         &text,
