@@ -527,12 +527,21 @@ impl Members<'_> {
 
 impl Drop for Members<'_> {
     fn drop(&mut self) {
+        // Unwinding here means the group's own code panicked: every listener is failed, so
+        // the service shows it, rather than stopped as if asked to.
+        let end = if std::thread::panicking() {
+            ListenerState::Failed {
+                error: "the listener group's thread panicked".to_owned(),
+            }
+        } else {
+            ListenerState::Stopped
+        };
         let pending = std::mem::take(&mut *self.group.pending.lock());
         for worker in pending {
             self.group.listeners.fetch_sub(1, Ordering::AcqRel);
-            worker.finish(self.registry, ListenerState::Stopped);
+            worker.finish(self.registry, end.clone());
         }
-        self.finish_all(&ListenerState::Stopped);
+        self.finish_all(&end);
     }
 }
 
@@ -656,12 +665,34 @@ fn run_group(group: &GroupShared, mut poll: mio::Poll) {
         }
         for slot in 0..members.slots.len() {
             let ended = match &mut members.slots[slot] {
-                Some(w) if w.has_work() => w.on_readable(&registry).err(),
+                Some(w) if w.has_work() => read_guarded(w, &registry),
                 _ => None,
             };
             if let Some(end) = ended {
                 members.finish(slot, end);
             }
+        }
+    }
+}
+
+/// [`Worker::on_readable`], with a panic (a sink's bug, say) ending only that listener, as
+/// failed: with a thread per listener a panic took one stream down, and a group must not
+/// let it take down the others.
+fn read_guarded(worker: &mut Worker, registry: &mio::Registry) -> Option<ListenerState> {
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        worker.on_readable(registry)
+    }));
+    match read {
+        Ok(r) => r.err(),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string payload".to_owned());
+            Some(ListenerState::Failed {
+                error: format!("panicked while handling KV events: {what}"),
+            })
         }
     }
 }

@@ -565,6 +565,45 @@ fn a_burst_longer_than_one_turn_is_read_to_the_end() {
     assert_eq!(listener.watermark(), Some(500));
 }
 
+/// A panicking sink fails its own listener and nothing else: the group's other streams go
+/// on, as they did when each listener had a thread.
+#[test]
+fn a_panicking_sink_fails_only_its_listener() {
+    let ctx = zmq::Context::new();
+    let group = ListenerGroup::new("kv-events-test-panic").unwrap();
+    let (bad_publisher, bad_ep) = bind_free(&ctx, zmq::PUB);
+    let panicking = Arc::new(|_: &[KvOperation]| panic!("sink bug"));
+    let bad = KvEventListener::start_on(
+        &group,
+        &ctx,
+        ListenerConfig::new(WorkerKey::new(1, 0), bad_ep, 4),
+        panicking,
+    )
+    .unwrap();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let good = KvEventListener::start_on(
+        &group,
+        &ctx,
+        ListenerConfig::new(WorkerKey::new(2, 0), ep, 4),
+        sink,
+    )
+    .unwrap();
+    wait_until(|| {
+        publish(&bad_publisher, 0, &batch(vec![cleared()]));
+        bad.state() != ListenerState::Running
+    });
+    match bad.state() {
+        ListenerState::Failed { error } => assert!(error.contains("sink bug"), "{error}"),
+        other => panic!("expected a failed listener, got {other:?}"),
+    }
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    publish(&publisher, 1, &batch(vec![stored(&[1], None)]));
+    assert_eq!(rx.next()[0].event_id, 1);
+    assert_eq!(good.state(), ListenerState::Running);
+    assert_eq!(group.len(), 1);
+}
+
 #[test]
 fn invalid_config_is_rejected_before_connecting() {
     let (sink, _rx) = Collector::new();
