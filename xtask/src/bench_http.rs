@@ -9,6 +9,10 @@
 //! single-threaded tokio runtime: one keep-alive HTTP/1.1 connection per simulated client,
 //! requests back to back, every latency recorded and sorted for the percentiles.
 //!
+//! With `--lifecycle` each request is instead a booking and its release, what a router
+//! does per model request: `POST /select_and_reserve` with the same bodies, then
+//! `DELETE /reservations/{id}`.
+//!
 //! The server and the load generator share the machine's cores, so the figures are a lower
 //! bound of what the server alone sustains; `--perf` records a profile of the server during
 //! the last run (`perf record -g`), for `perf report --no-children`.
@@ -65,6 +69,11 @@ struct Args {
     /// and the load generator allow, whatever the server computes.
     #[arg(long, conflicts_with_all = ["binary", "perf"])]
     ceiling: bool,
+    /// Drive the booking lifecycle instead of `/select`: each request is a
+    /// `POST /select_and_reserve` (same bodies) followed by `DELETE /reservations/{id}`, and
+    /// the latency is the pair's.
+    #[arg(long, conflicts_with = "ceiling")]
+    lifecycle: bool,
     /// Internal: serve the ceiling server on this address until killed.
     #[arg(long, hide = true, value_name = "ADDR")]
     serve_ceiling: Option<SocketAddr>,
@@ -179,7 +188,14 @@ async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
     let mut results = Vec::new();
     for (i, &connections) in args.connections.iter().enumerate() {
         eprintln!("xtask bench http: {connections} connection(s), 1 s warm-up");
-        load(addr, &bodies, connections, Duration::from_secs(1)).await?;
+        load(
+            addr,
+            &bodies,
+            connections,
+            Duration::from_secs(1),
+            args.lifecycle,
+        )
+        .await?;
         let last = i + 1 == args.connections.len();
         let perf = match (&args.perf, last) {
             (Some(out), true) => Some(PerfRecorder::start(server.pid(), out, args.seconds)?),
@@ -196,6 +212,7 @@ async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
             &bodies,
             connections,
             Duration::from_secs(args.seconds),
+            args.lifecycle,
         )
         .await?;
         run.server_cpu = server
@@ -282,12 +299,14 @@ fn request_bodies(prefixes: &[Vec<u32>]) -> Vec<Bytes> {
         .collect()
 }
 
-/// Runs `connections` clients sending requests back to back for `duration`.
+/// Runs `connections` clients sending requests back to back for `duration` (with
+/// `lifecycle`, booking-and-free pairs).
 async fn load(
     addr: SocketAddr,
     bodies: &Arc<Vec<Bytes>>,
     connections: usize,
     duration: Duration,
+    lifecycle: bool,
 ) -> Result<RunResult> {
     let mut senders = Vec::with_capacity(connections);
     for _ in 0..connections {
@@ -306,11 +325,17 @@ async fn load(
                 let body = bodies[i % bodies.len()].clone();
                 i += 1;
                 let t = Instant::now();
-                let outcome = send(&mut sender, Method::POST, "/select", body).await;
+                let outcome = if lifecycle {
+                    book_and_free(&mut sender, body).await
+                } else {
+                    send(&mut sender, Method::POST, "/select", body)
+                        .await
+                        .map(|(status, _)| status == StatusCode::OK)
+                };
                 latencies.push(t.elapsed());
                 match outcome {
-                    Ok((status, _)) if status == StatusCode::OK => {}
-                    Ok(_) => errors += 1,
+                    Ok(true) => {}
+                    Ok(false) => errors += 1,
                     Err(e) => return Err(e),
                 }
             }
@@ -335,6 +360,21 @@ async fn load(
         server_cpu: None,
         client_cpu: None,
     })
+}
+
+/// `POST /select_and_reserve` then `DELETE /reservations/{id}` of the booking it made;
+/// whether both succeeded.
+async fn book_and_free(sender: &mut Sender, body: Bytes) -> Result<bool> {
+    let (status, booked) = call(sender, Method::POST, "/select_and_reserve", body).await?;
+    let Some(id) = booked["selection_id"]
+        .as_str()
+        .filter(|_| status == StatusCode::OK)
+    else {
+        return Ok(false);
+    };
+    let path = format!("/reservations/{id}");
+    let (status, _) = send(sender, Method::DELETE, &path, Bytes::new()).await?;
+    Ok(status == StatusCode::OK)
 }
 
 pub(crate) type Sender = SendRequest<Full<Bytes>>;
@@ -667,6 +707,13 @@ mod tests {
         assert_eq!((d.seconds, d.connections), (10, vec![1, 16]));
         assert!(!d.ceiling && d.serve_ceiling.is_none());
         assert!(Args::try_parse_from(["x", "--ceiling"]).unwrap().ceiling);
+        assert!(
+            Args::try_parse_from(["x", "--lifecycle"])
+                .unwrap()
+                .lifecycle
+        );
+        // The ceiling server answers only `/select`.
+        assert!(Args::try_parse_from(["x", "--ceiling", "--lifecycle"]).is_err());
         // The ceiling server is the xtask's own: no other binary, no server profile.
         assert!(Args::try_parse_from(["x", "--ceiling", "--binary", "/bin/true"]).is_err());
         let serve = Args::try_parse_from(["x", "--serve-ceiling", "127.0.0.1:9"]).unwrap();
