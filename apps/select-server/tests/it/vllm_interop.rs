@@ -183,6 +183,30 @@ impl Drop for Server {
     }
 }
 
+/// The real binary on a free port with `worker` registered (and schedulable).
+fn server_with(worker: &Value) -> Server {
+    let (child, port) = spawn_on_free_port(&[], &[], |_| Stdio::null()).unwrap();
+    let server = Server(child, port);
+    let (status, record) = call(port, "POST", "/workers", Some(worker));
+    assert_eq!((status, &record["lifecycle"]), (201, &json!("schedulable")));
+    server
+}
+
+/// Publishes `step` until `/select` of `request` shows `gpu == tokens` (15 s at most) and
+/// returns that overlap: what a subscription misses while it joins comes back only through
+/// a replay or a republished (idempotent) store.
+fn step_until(engine: &mut Engine, step: &str, port: u16, request: &Value, tokens: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        engine.step(step);
+        std::thread::sleep(Duration::from_millis(50));
+        let o = overlap(port, request);
+        if o["gpu"] == tokens || Instant::now() > deadline {
+            return o;
+        }
+    }
+}
+
 /// A port `p` such that `p + offset` was free a moment ago (and `p` too).
 fn free_port_pair(offset: u16) -> u16 {
     for _ in 0..50 {
@@ -236,36 +260,21 @@ fn vllm_real_publisher_drives_selection_end_to_end() {
     // Published before anyone subscribes: only the replay socket can deliver it.
     engine.step("root");
 
-    let (child, port) = spawn_on_free_port(&[], &[], |_| Stdio::null()).unwrap();
-    let server = Server(child, port);
-    let (status, record) = call(
-        port,
-        "POST",
-        "/workers",
-        Some(&json!({
-            "worker_id": 1,
-            "endpoint": "http://w1",
-            "block_size": 4,
-            "kv_events_endpoint": format!("tcp://127.0.0.1:{}", engine.pub_port),
-            "replay_endpoint": format!("tcp://127.0.0.1:{}", engine.replay_port),
-        })),
-    );
-    assert_eq!((status, &record["lifecycle"]), (201, &json!("schedulable")));
+    let server = server_with(&json!({
+        "worker_id": 1,
+        "endpoint": "http://w1",
+        "block_size": 4,
+        "kv_events_endpoint": format!("tcp://127.0.0.1:{}", engine.pub_port),
+        "replay_endpoint": format!("tcp://127.0.0.1:{}", engine.replay_port),
+    }));
+    let port = server.1;
 
     let t0: Vec<u32> = (1000..1008).collect();
     let prompt: Vec<u32> = (1000..1016).collect();
     let whole = json!({ "token_ids": prompt });
     // The first children may be lost while the subscription joins; a later one opens a gap
     // that vLLM's replay socket fills with the root.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let joined = loop {
-        engine.step("child");
-        std::thread::sleep(Duration::from_millis(50));
-        let o = overlap(server.1, &whole);
-        if o["gpu"] == 16 || Instant::now() > deadline {
-            break o;
-        }
-    };
+    let joined = step_until(&mut engine, "child", port, &whole, 16);
     assert_eq!(
         joined,
         json!({"longest_matched": 16, "gpu": 16, "dp": {"0": 16}, "cpu": 16, "disk": 16})
@@ -338,36 +347,21 @@ fn vllm_data_parallel_rank_lands_on_its_rank() {
     let (python, module) = fixture();
     let mut engine = Engine::start_rank(python, module, 1);
     let base = engine.pub_port;
-    let (child, port) = spawn_on_free_port(&[], &[], |_| Stdio::null()).unwrap();
-    let _server = Server(child, port);
-    let (status, record) = call(
-        port,
-        "POST",
-        "/workers",
-        Some(&json!({
-            "worker_id": 2,
-            "endpoint": "http://w2",
-            "block_size": 4,
-            "data_parallel_size": 2,
-            "kv_events_endpoints": {
-                "0": format!("tcp://127.0.0.1:{base}"),
-                "1": format!("tcp://127.0.0.1:{}", base + 1),
-            },
-        })),
-    );
-    assert_eq!((status, &record["lifecycle"]), (201, &json!("schedulable")));
+    let server = server_with(&json!({
+        "worker_id": 2,
+        "endpoint": "http://w2",
+        "block_size": 4,
+        "data_parallel_size": 2,
+        "kv_events_endpoints": {
+            "0": format!("tcp://127.0.0.1:{base}"),
+            "1": format!("tcp://127.0.0.1:{}", base + 1),
+        },
+    }));
+    let port = server.1;
     // Without a replay socket, what the subscription misses while it joins is lost; the
     // engine's stores are idempotent, so republishing until they show is enough.
     let root = json!({ "token_ids": (1000..1008).collect::<Vec<u32>>() });
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let seen = loop {
-        engine.step("root");
-        std::thread::sleep(Duration::from_millis(50));
-        let o = overlap(port, &root);
-        if o["gpu"] == 8 || Instant::now() > deadline {
-            break o;
-        }
-    };
+    let seen = step_until(&mut engine, "root", port, &root, 8);
     assert_eq!(
         seen,
         json!({"longest_matched": 8, "gpu": 8, "dp": {"0": 0, "1": 8}, "cpu": 8, "disk": 8})
