@@ -66,10 +66,10 @@ pub struct OpenFileLimit {
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit.
 ///
-/// Every KV-event listener holds about five descriptors (its ZMQ socket, its TCP connection
-/// to the engine, its wake pipe) and every HTTP client one more. With the soft limit many
-/// hosts start services with (1,024), an event-driven deployment runs out near 200
-/// (worker, rank) listeners: the next registrations stay `incomplete` with "Too many open
+/// Every KV-event listener holds about three descriptors (its ZMQ socket's signal
+/// descriptor, its TCP connection to the engine, a replay DEALER's after its first gap) and
+/// every HTTP client one more. With the soft limit many hosts start services with (1,024),
+/// an event-driven deployment runs out near 300 (worker, rank) listeners: the next registrations stay `incomplete` with "Too many open
 /// files". The hard limit is the operator's real choice
 /// (systemd `LimitNOFILE=`, `ulimit -H -n`), so the server takes all of it, as Go programs
 /// do by default.

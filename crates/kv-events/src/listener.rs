@@ -436,6 +436,7 @@ fn new_socket(
     set(s.set_heartbeat_ivl(5000))?;
     set(s.set_heartbeat_timeout(15000))?;
     set(s.set_heartbeat_ttl(15000))?;
+    // Listed by spec §2.1; unused here too, since every receive is non-blocking.
     set(s.set_rcvtimeo(100))?;
     if kind != zmq::SUB {
         set(s.set_sndtimeo(0))?;

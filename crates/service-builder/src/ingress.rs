@@ -367,13 +367,13 @@ fn check_endpoint(ep: &str) -> Result<(), String> {
 
 impl Drop for Ingress {
     fn drop(&mut self) {
-        // A core dropped without `shutdown` must not pay one poll slice per listener either.
+        // A core dropped without `shutdown` stops its listeners the same way.
         self.stop_all();
     }
 }
 
-/// Stops listeners with overlapping waits: each needs up to one poll slice to notice, so
-/// stopping hundreds one after another took tens of seconds.
+/// Stops listeners with overlapping waits: every stop is requested before any is waited for,
+/// so each group finishes the batch it is applying once, not once per listener.
 fn stop_together(listeners: Vec<Registered>) {
     for r in &listeners {
         r.listener.request_stop();

@@ -199,7 +199,7 @@ impl SelectionService {
     /// Idempotent.
     pub async fn shutdown(&self) {
         let core = Arc::clone(&self.core);
-        // Stopping listeners joins their threads: keep that off the async workers.
+        // Stopping listeners waits for their groups' threads: keep that off the async workers.
         let _ = tokio::task::spawn_blocking(move || core.shutdown()).await;
         let _ = self.stop.send(true);
         let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
