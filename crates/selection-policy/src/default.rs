@@ -38,6 +38,7 @@ impl DefaultScorer {
 }
 
 impl Scorer for DefaultScorer {
+    #[inline]
     fn score(
         &self,
         ctx: &SelectionContext<'_>,
@@ -56,7 +57,7 @@ impl Scorer for DefaultScorer {
                 cached_above: cached_above(ctx.isl),
                 block_size: ctx.block_size,
                 block: k.block,
-                inv_block: 1.0 / k.block,
+                inv_block: pow2_reciprocal(ctx.block_size),
             };
             // Dividing by a power of two and multiplying by its reciprocal are both exact.
             if ctx.block_size.max(1).is_power_of_two() {
@@ -258,6 +259,18 @@ impl DefaultScorer {
     }
 }
 
+/// `1 / B` for a power-of-two block size, built from its exponent: exact, and no division
+/// (whose latency sat on the path from the rows to the pick). Other sizes divide.
+fn pow2_reciprocal(block_size: u32) -> f64 {
+    let b = block_size.max(1);
+    if b.is_power_of_two() {
+        // 2^-k has biased exponent 1023 - k (k ≤ 31 here, far from subnormals).
+        f64::from_bits(u64::from(1023 - b.trailing_zeros()) << 52)
+    } else {
+        1.0 / f64::from(b)
+    }
+}
+
 /// The smallest `effective_overlap_blocks · B` whose rounding exceeds `isl`: `isl + 0.5`
 /// (exact below 2^52; beyond, every row takes the exact path).
 fn cached_above(isl: u64) -> f64 {
@@ -291,13 +304,18 @@ fn u64_to_f64_cold(x: u64) -> f64 {
 #[derive(Debug, Clone)]
 pub struct TemperaturePicker {
     temperature: f64,
+    /// [`pair_weight`] of `temperature`, so that a two-row pick at the configured
+    /// temperature has no division or `exp` on its path.
+    pair_weight: f64,
 }
 
 impl TemperaturePicker {
     /// Temperature from `config.router_temperature`; the request override wins.
     pub fn new(config: &RouterConfig) -> Self {
+        let temperature = config.router_temperature;
         Self {
-            temperature: config.router_temperature,
+            temperature,
+            pair_weight: pair_weight(temperature),
         }
     }
 }
@@ -310,9 +328,47 @@ impl Picker for TemperaturePicker {
         costs: &[f64],
         rng: &mut PickRng,
     ) -> Result<usize, PolicyError> {
-        let t = ctx.overrides.router_temperature.unwrap_or(self.temperature);
-        pick_with_temperature(costs, t, rng).ok_or(PolicyError::NoCandidates)
+        let row = match ctx.overrides.router_temperature {
+            None => pick_cached(costs, self.temperature, self.pair_weight, rng),
+            Some(t) => pick_with_temperature(costs, t, rng),
+        };
+        row.ok_or(PolicyError::NoCandidates)
     }
+}
+
+/// The weight of the costlier of two different rows relative to the cheaper one:
+/// `exp(−1/T)`.
+///
+/// With two rows the range normalization of §4.5 maps the cheaper cost to 0 and the
+/// costlier to exactly 1, so their weights are `1` and `exp(−1/T)` whatever the costs are.
+/// The general path computes `(lo − hi) / ((hi − lo)·T)`, which rounds to within an ULP or
+/// two of `−1/T`; the pick differs only when the uniform draw falls in a window of that
+/// width (about 1e−16).
+fn pair_weight(temperature: f64) -> f64 {
+    if temperature > 0.0 {
+        exp(-1.0 / temperature)
+    } else {
+        0.0
+    }
+}
+
+/// [`pick_with_temperature`] with `exp(−1/T)` already known for the two-row case (a few
+/// workers per model is common, and there the division and `exp` were most of the pick).
+#[inline]
+fn pick_cached(costs: &[f64], temperature: f64, pair: f64, rng: &mut PickRng) -> Option<usize> {
+    if let [a, b] = *costs
+        && temperature > 0.0
+        && a != b
+        && a.is_finite()
+        && b.is_finite()
+    {
+        // Running sums `[w_a, w_a + w_b]`; the first that reaches `u·total` wins, as in
+        // `sample_cumulative`.
+        let (wa, wb) = if a < b { (1.0, pair) } else { (pair, 1.0) };
+        let target = rng.next_f64() * (wa + wb);
+        return Some(usize::from(wa < target));
+    }
+    pick_with_temperature(costs, temperature, rng)
 }
 
 /// The picking rule of `scheduling.md` §4.5 over `costs` (`None` only when empty).
@@ -501,6 +557,56 @@ mod tests {
         assert_eq!((hits[0], hits[2]), (0, 0));
         for h in [hits[1], hits[3], hits[4]] {
             assert!((9_000..11_000).contains(&h), "{hits:?}");
+        }
+    }
+
+    #[test]
+    fn power_of_two_reciprocal_is_exact() {
+        for k in 0..32 {
+            assert_eq!(pow2_reciprocal(1 << k), 1.0 / f64::from(1u32 << k), "2^{k}");
+        }
+        for b in [0, 3, 24, 1000] {
+            assert_eq!(pow2_reciprocal(b), 1.0 / f64::from(b.max(1)));
+        }
+    }
+
+    #[test]
+    fn two_row_shortcut_picks_what_the_general_path_picks() {
+        let mut x = PickRng::seeded(3);
+        for temperature in [0.05, 0.7, 1.0, 3.0, 1e6] {
+            let pair = pair_weight(temperature);
+            let (mut fast, mut general) = (PickRng::seeded(11), PickRng::seeded(11));
+            for i in 0..20_000 {
+                // Distinct, equal, tiny-gap and huge-gap pairs.
+                let a = (x.next_f64() * 1e3).floor();
+                let b = match i % 4 {
+                    0 => a,
+                    1 => a + 1e-9,
+                    2 => -a * 1e300,
+                    _ => (x.next_f64() * 1e3).floor(),
+                };
+                for costs in [[a, b], [b, a]] {
+                    assert_eq!(
+                        pick_cached(&costs, temperature, pair, &mut fast),
+                        pick_with_temperature(&costs, temperature, &mut general),
+                        "{costs:?} at {temperature}"
+                    );
+                }
+            }
+        }
+        // Non-finite costs and other lengths take the general path.
+        for costs in [
+            &[f64::NAN, 1.0][..],
+            &[f64::INFINITY, 1.0],
+            &[],
+            &[1.0, 2.0, 3.0],
+        ] {
+            for seed in 0..20 {
+                assert_eq!(
+                    pick_cached(costs, 0.7, 0.2, &mut PickRng::seeded(seed)),
+                    pick_with_temperature(costs, 0.7, &mut PickRng::seeded(seed)),
+                );
+            }
         }
     }
 

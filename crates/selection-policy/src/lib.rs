@@ -19,7 +19,7 @@
 //! # Invariants
 //! - Depends on `kv-types` only, so a custom scorer compiles against this crate alone.
 //! - Every summed cost is finite; a scorer that writes a non-finite value (or leaves a row
-//!   unwritten: the buffer is pre-filled with NaN) fails the selection.
+//!   unwritten: a composed policy pre-fills the buffer with NaN) fails the selection.
 //! - Randomness comes only from the caller's [`PickRng`]: same seed, same rows, same
 //!   choice. Candidates should be passed in ascending `(worker_id, dp_rank)` order.
 //!
@@ -46,14 +46,21 @@
 //!   multiply for power-of-two block sizes (exact). A test checks it bit for bit against
 //!   the general loop. No libm call (`round`, `exp`, `tanh`) remains per candidate;
 //!   [`preferred_taint_multiplier`] skips its two when no preferred taint matches.
+//! - [`Policy::default_policy`] holds its scorer and picker by value and calls them
+//!   directly (a composed policy boxes them): no virtual calls, no NaN pre-fill of the cost
+//!   buffer (the default scorer writes every row), and the cost buffer is resized only when
+//!   the row count changes. A test checks it against the same parts composed by hand.
+//! - Two rows at `T > 0` (a few workers per model is common) need no division and no `exp`:
+//!   range normalization maps them to 0 and 1, so their weights are `1` and `exp(−1/T)`,
+//!   which the picker computes once per configured temperature. Power-of-two block sizes
+//!   get `1/B` from the exponent bits and `ceil(isl/B)` from a shift: the division latency
+//!   was on the path from the rows to the result.
 //! - Bench (`cargo bench -p benches --bench select_default -- --warm-up-time 1
-//!   --measurement-time 3`), medians of 5 runs on the shared 2-core machine at load
-//!   average 4–6 (pessimistic; the previous libm design → this one, interleaved), per
-//!   candidate: t = 0: 39 → 23 ns (32 rows), 34 → 15 (128), 34 → 15 (1,024),
-//!   27 → 15 (10,000); t = 0.7: 51 → 33 (32), 50 → 33 (128), 52 → 29 (1,024),
-//!   47 → 28 (10,000), against a target of 30 ns. Instructions per candidate (callgrind,
-//!   1,024 rows): 127 → 86 (t = 0), 208 → 135 (t = 0.7). A selection over 2 rows costs
-//!   ≈ 130 ns (t = 0) / 215 ns (t = 0.7) under that load.
+//!   --measurement-time 3`) on the shared 2-core machine, per candidate, medians of three
+//!   runs: t = 0: 25 ns (2 rows), 9.5 (32), 9.5 (128), 8.7 (1,024), 7.5 (10,000);
+//!   t = 0.7: 27 (2), 17 (32), 15 (128), 16 (1,024), 16 (10,000); target 30 ns. The
+//!   two-row selection was 64 ns (t = 0) and 96 ns (t = 0.7) before the two points above;
+//!   callgrind: 576 → 512 and 777 → 504 instructions.
 
 mod candidate;
 mod classes;

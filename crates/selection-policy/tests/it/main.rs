@@ -213,6 +213,67 @@ fn affinity_restricts_with_exclusive_affinity() {
     );
 }
 
+/// `default_policy` holds its scorer and picker by value and calls them directly; the same
+/// parts boxed into a composed policy must choose and report exactly the same.
+#[test]
+fn builtin_policy_matches_its_parts_composed() {
+    use selection_policy::{DefaultScorer, TemperaturePicker};
+    let mut draw = PickRng::seeded(42);
+    let mut next = |m: u64| draw.below(m);
+    for temperature in [0.0, 0.7] {
+        let config = RouterConfig {
+            router_temperature: temperature,
+            ..RouterConfig::default()
+        };
+        let pool = PoolLabel::Decode;
+        let builtin = Policy::default_policy(&config, pool);
+        let composed = Policy::new(
+            &config,
+            vec![Box::new(DefaultScorer::new(&config, pool))],
+            Box::new(TemperaturePicker::new(&config)),
+        )
+        .with_exclusive_affinity(true);
+        let (mut s1, mut s2) = (Scratch::default(), Scratch::default());
+        let (mut r1, mut r2) = (PickRng::seeded(9), PickRng::seeded(9));
+        for round in 0..2_000 {
+            let n = 1 + next(6) as usize;
+            let rows: Vec<Candidate> = (0..n as u64)
+                .map(|i| Candidate {
+                    cache: CacheInputs {
+                        device_blocks: next(40) as u32,
+                        host_blocks: next(4) as u32,
+                        disk_blocks: next(4) as u32,
+                        shared_beyond_blocks: next(2) as u32,
+                    },
+                    // Equal loads now and then, so ties and uniform picks happen too.
+                    load: (next(5) > 0).then(|| LoadInputs {
+                        active_prefill_tokens: 16 * next(3),
+                        potential_decode_blocks: next(3),
+                        active_requests: next(2),
+                    }),
+                    ..Candidate::new(WorkerKey::new(i, 0))
+                })
+                .collect();
+            let mut c = SelectionContext::new(64 * (1 + next(8)), 16, 4);
+            match round % 5 {
+                0 => c.pinned = Some(WorkerKey::new(next(n as u64), 0)),
+                1 => {
+                    c.affinity = Some(AffinityTarget {
+                        worker_id: kv_types::WorkerId(next(n as u64 + 2)),
+                        dp_rank: None,
+                    })
+                }
+                2 => c.overrides.router_temperature = Some(0.3),
+                _ => {}
+            }
+            let a = builtin.select(&c, &rows, &mut s1, &mut r1);
+            let b = composed.select(&c, &rows, &mut s2, &mut r2);
+            assert_eq!(a, b, "round {round}");
+            assert_eq!(s1.costs(), s2.costs(), "round {round}");
+        }
+    }
+}
+
 #[test]
 fn busy_flags_and_partial_tail_in_the_result() {
     let config = RouterConfig {
