@@ -11,7 +11,9 @@
 //!
 //! With `--lifecycle` each request is instead a booking and its release, what a router
 //! does per model request: `POST /select_and_reserve` with the same bodies, then
-//! `DELETE /reservations/{id}`.
+//! `DELETE /reservations/{id}`. `--sessions` turns session affinity on in the server and
+//! gives every body a session of its own (as agentic clients send), so each booking goes
+//! through the session table.
 //!
 //! The server and the load generator share the machine's cores, so the figures are a lower
 //! bound of what the server alone sustains; `--perf` records a profile of the server during
@@ -74,6 +76,10 @@ struct Args {
     /// the latency is the pair's.
     #[arg(long, conflicts_with = "ceiling")]
     lifecycle: bool,
+    /// Start the server with session affinity on (`--session-affinity-ttl-secs 600`) and
+    /// give each of the request bodies its own `session_id`.
+    #[arg(long, conflicts_with = "ceiling")]
+    sessions: bool,
     /// Internal: serve the ceiling server on this address until killed.
     #[arg(long, hide = true, value_name = "ADDR")]
     serve_ceiling: Option<SocketAddr>,
@@ -111,7 +117,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
                 crate::root().join("target/release/select-server")
             }
         };
-        ServerProcess::start(&binary)?
+        ServerProcess::start(&binary, args.sessions)?
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -170,7 +176,7 @@ async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
             .map(|_| (0..PROMPT_TOKENS).map(|_| rng.token()).collect())
             .collect()
     };
-    let bodies = Arc::new(request_bodies(&prefixes));
+    let bodies = Arc::new(request_bodies(&prefixes, args.sessions));
     let mut probe = connect(addr).await?;
     let (status, answer) = call(&mut probe, Method::POST, "/select", bodies[0].clone()).await?;
     ensure!(status == StatusCode::OK, "probe /select: {status} {answer}");
@@ -285,8 +291,9 @@ async fn populate(addr: SocketAddr) -> Result<Vec<Vec<u32>>> {
 }
 
 /// Bodies of `/select`: a worker's prefix cut after 512, 1,024, 1,536 or 2,048 tokens, then
-/// fresh tokens up to [`PROMPT_TOKENS`], so the walk stops at different depths.
-fn request_bodies(prefixes: &[Vec<u32>]) -> Vec<Bytes> {
+/// fresh tokens up to [`PROMPT_TOKENS`], so the walk stops at different depths. With
+/// `sessions`, body `i` carries `"session_id": "session-i"`.
+fn request_bodies(prefixes: &[Vec<u32>], sessions: bool) -> Vec<Bytes> {
     let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
     (0..BODIES)
         .map(|i| {
@@ -294,7 +301,12 @@ fn request_bodies(prefixes: &[Vec<u32>]) -> Vec<Bytes> {
             let keep = PROMPT_TOKENS / 4 * (1 + (i / prefixes.len()) % 4);
             let mut tokens: Vec<u32> = prefix[..keep].to_vec();
             tokens.extend((keep..PROMPT_TOKENS).map(|_| rng.token()));
-            Bytes::from(json!({ "token_ids": tokens }).to_string())
+            let body = if sessions {
+                json!({ "token_ids": tokens, "session_id": format!("session-{i}") })
+            } else {
+                json!({ "token_ids": tokens })
+            };
+            Bytes::from(body.to_string())
         })
         .collect()
 }
@@ -483,10 +495,15 @@ pub(crate) struct ServerProcess {
 }
 
 impl ServerProcess {
-    fn start(binary: &std::path::Path) -> Result<Self> {
+    fn start(binary: &std::path::Path, sessions: bool) -> Result<Self> {
+        let flags: &[&str] = if sessions {
+            &["--session-affinity-ttl-secs", "600"]
+        } else {
+            &[]
+        };
         Self::start_with(
             binary,
-            &[],
+            flags,
             &[
                 ("DYN_ROUTER_USE_KV_EVENTS", "false"),
                 // Recorded prefixes must outlive every run.
@@ -686,7 +703,7 @@ mod tests {
         let prefixes: Vec<Vec<u32>> = (0..WORKERS as u32)
             .map(|w| vec![w; PROMPT_TOKENS])
             .collect();
-        let bodies = request_bodies(&prefixes);
+        let bodies = request_bodies(&prefixes, false);
         assert_eq!(bodies.len(), BODIES);
         let mut kept = std::collections::BTreeSet::new();
         for (i, b) in bodies.iter().enumerate() {
@@ -714,6 +731,12 @@ mod tests {
         );
         // The ceiling server answers only `/select`.
         assert!(Args::try_parse_from(["x", "--ceiling", "--lifecycle"]).is_err());
+        assert!(Args::try_parse_from(["x", "--ceiling", "--sessions"]).is_err());
+        assert!(
+            Args::try_parse_from(["x", "--lifecycle", "--sessions"])
+                .unwrap()
+                .sessions
+        );
         // The ceiling server is the xtask's own: no other binary, no server profile.
         assert!(Args::try_parse_from(["x", "--ceiling", "--binary", "/bin/true"]).is_err());
         let serve = Args::try_parse_from(["x", "--serve-ceiling", "127.0.0.1:9"]).unwrap();

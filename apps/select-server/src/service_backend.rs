@@ -9,7 +9,7 @@ use http::StatusCode;
 use prometheus_client::registry::Registry;
 use selection_policy::{AffinityTarget as PolicyAffinity, SessionContext as PolicySession};
 use service_builder::{
-    Lifecycle as SvcLifecycle, PartitionKey, PromptInput, PromptQuery, SelectionCore,
+    Attempt, Lifecycle as SvcLifecycle, PartitionKey, PromptInput, PromptQuery, SelectionCore,
     SelectionError, SelectionService, WorkerCatalogRecord,
 };
 
@@ -30,22 +30,17 @@ pub struct ServiceBackend {
     /// Whether a non-advisory `/select` may wait in the admission queue (a busy threshold
     /// is configured), so it must not run on an async worker.
     select_may_wait: bool,
-    /// Whether session affinity is on: a booking naming a session may then wait (up to 5 s)
-    /// behind a concurrent first booking of the same session.
-    sessions_enabled: bool,
 }
 
 impl ServiceBackend {
     pub fn new(service: Arc<SelectionService>) -> Self {
         let select_may_wait = service.core().queueing_enabled();
-        let sessions_enabled = service.core().config().session_affinity_ttl.is_some();
         let mut registry = Registry::default();
         service.register_metrics(&mut registry);
         Self {
             service,
             registry,
             select_may_wait,
-            sessions_enabled,
         }
     }
 
@@ -69,8 +64,8 @@ impl ServiceBackend {
         }
     }
 
-    /// Runs a core operation on the blocking pool when it may wait (in the admission queue,
-    /// behind a session's first booking), else inline on the async worker: an operation that
+    /// Runs a core operation on the blocking pool when it may wait (in the admission
+    /// queue), else inline on the async worker: an operation that
     /// cannot wait only takes brief parking_lot sections, tens of microseconds, less than the
     /// two thread hand-offs of `spawn_blocking`, which were the largest cost in the profile
     /// of `/select` (docs/hot-path.md). For a booking, at one connection (2,048 tokens,
@@ -85,6 +80,21 @@ impl ServiceBackend {
             self.blocking(f).await
         } else {
             f(self.service.core()).map_err(api_error)
+        }
+    }
+
+    /// Runs `attempt` inline; only when it reports that it would wait (behind a session's
+    /// concurrent first booking, the one wait a booking outside the admission queue can
+    /// meet) does the request move to the blocking pool, for `fallback`.
+    async fn attempt<T: Send + 'static, R: Send + 'static>(
+        &self,
+        req: R,
+        attempt: impl FnOnce(&SelectionCore, R) -> Attempt<T, R>,
+        fallback: impl FnOnce(&SelectionCore, R) -> Result<T, SelectionError> + Send + 'static,
+    ) -> ApiResult<T> {
+        match attempt(self.service.core(), req) {
+            Attempt::Done(r) => r.map_err(api_error),
+            Attempt::WouldWait(req) => self.blocking(move |c| fallback(c, req)).await,
         }
     }
 }
@@ -398,11 +408,17 @@ impl Backend for ServiceBackend {
         req: SelectAndReserveRequest,
     ) -> ApiResult<SelectionResponse> {
         let r = select_request(req.prompt, req.options, false)?;
-        let names_session = r.session_id.is_some() || r.session_context.is_some();
-        let may_wait = self.select_may_wait || (self.sessions_enabled && names_session);
-        self.run(may_wait, move |c| c.select_and_reserve(r))
+        let out = if self.select_may_wait {
+            self.blocking(move |c| c.select_and_reserve(r)).await
+        } else {
+            self.attempt(
+                r,
+                SelectionCore::try_select_and_reserve,
+                SelectionCore::select_and_reserve,
+            )
             .await
-            .map(selection_response)
+        };
+        out.map(selection_response)
     }
 
     async fn create_reservation(&self, req: ReservationRequest) -> ApiResult<ReservationResponse> {
@@ -419,7 +435,11 @@ impl Backend for ServiceBackend {
         };
         // Only a session's first booking can make a reservation wait.
         let out = self
-            .run(self.sessions_enabled, move |c| c.create_reservation(r))
+            .attempt(
+                r,
+                SelectionCore::try_create_reservation,
+                SelectionCore::create_reservation,
+            )
             .await?;
         Ok(ReservationResponse {
             selection_id: out.selection_id,

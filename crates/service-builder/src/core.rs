@@ -751,7 +751,7 @@ impl SelectionCore {
 
     /// `POST /select`.
     pub fn select(&self, req: SelectRequest) -> Result<SelectResponse, SelectionError> {
-        self.run_select(req, false)
+        self.run_select(req, false, true).done()
     }
 
     /// `POST /select_and_reserve`.
@@ -760,12 +760,34 @@ impl SelectionCore {
         mut req: SelectRequest,
     ) -> Result<SelectResponse, SelectionError> {
         req.advisory = false;
-        self.run_select(req, true)
+        self.run_select(req, true, true).done()
     }
 
-    fn run_select(&self, req: SelectRequest, book: bool) -> Result<SelectResponse, SelectionError> {
+    /// [`select_and_reserve`](Self::select_and_reserve) unless it would have to wait: in the
+    /// admission queue, or behind a concurrent first booking of the same session. Then the
+    /// request comes back untouched and nothing has changed, so an async caller can run
+    /// the plain call where blocking is allowed, and the common case costs no thread
+    /// hand-off.
+    pub fn try_select_and_reserve(
+        &self,
+        mut req: SelectRequest,
+    ) -> Attempt<SelectResponse, SelectRequest> {
+        req.advisory = false;
+        self.run_select(req, true, false)
+    }
+
+    fn run_select(
+        &self,
+        mut req: SelectRequest,
+        book: bool,
+        wait: bool,
+    ) -> Attempt<SelectResponse, SelectRequest> {
         let started = Instant::now();
-        let result = self.run_select_inner(req, book);
+        let result = match self.run_select_inner(&mut req, book, wait) {
+            Ok(r) => Ok(r),
+            Err(Stop::Failed(e)) => Err(e),
+            Err(Stop::WouldWait) => return Attempt::WouldWait(req),
+        };
         self.metrics.selection_latency.observe(started.elapsed());
         match &result {
             Ok(_) => self.metrics.selections.inc(),
@@ -779,16 +801,23 @@ impl SelectionCore {
                 self.metrics.selection_errors.inc()
             }
         };
-        result
+        Attempt::Done(result)
     }
 
+    /// The selection proper. `Stop::WouldWait` (only when `wait` is off) leaves `req` as it
+    /// came and changes no state.
     fn run_select_inner(
         &self,
-        mut req: SelectRequest,
+        req: &mut SelectRequest,
         book: bool,
-    ) -> Result<SelectResponse, SelectionError> {
+        wait: bool,
+    ) -> Result<SelectResponse, Stop> {
         self.check_running()?;
         let partition = self.ready_partition(&req.partition)?;
+        if !wait && partition.queue.is_some() && !req.advisory {
+            return Err(Stop::WouldWait);
+        }
+        let caller_id = req.selection_id.is_some();
         let selection_id = match (req.selection_id.take(), book) {
             (Some(id), _) => Some(id),
             (None, true) => Some(new_uuid_v4(&self.rng_seed)),
@@ -798,13 +827,21 @@ impl SelectionCore {
             (Some(id), true) => Some(self.claim(id, &partition)?),
             _ => None,
         };
-        let session_id = session_of(&req);
+        let session_id = session_of(req);
         let mut session = SessionGuard::none();
         if let (Some(table), Some(sid)) = (partition.sessions.as_ref(), session_id.as_deref()) {
             check_session_id(sid)?;
             let now = Instant::now();
             if book {
-                session = self.hold_session(&partition, table, sid, now);
+                let Some(held) = self.hold_session(&partition, table, sid, now, wait) else {
+                    // Give everything back: the claim's row goes with the claim.
+                    drop(claim);
+                    if caller_id {
+                        req.selection_id = selection_id;
+                    }
+                    return Err(Stop::WouldWait);
+                };
+                session = held;
                 if let Some(target) = session.bound_target() {
                     req.affinity_target = Some(affinity(target));
                 }
@@ -818,11 +855,11 @@ impl SelectionCore {
         let admission = if req.advisory {
             Ok(Admission::default())
         } else {
-            self.admit(&partition, &req, &mut scratch)
+            self.admit(&partition, req, &mut scratch)
         };
         let queued = admission.as_ref().is_ok_and(|a| a.queued);
         let result =
-            admission.and_then(|a| self.schedule(&partition, &req, &mut scratch, a.prepared_isl));
+            admission.and_then(|a| self.schedule(&partition, req, &mut scratch, a.prepared_isl));
         let outcome = result.and_then(|(selection, isl, track, response_base)| {
             let tracking = scratch.tracking.clone();
             let mut kv_hint = None;
@@ -895,7 +932,7 @@ impl SelectionCore {
             // failed), the next waiter's gate sees the new load.
             self.recheck_queue(&partition);
         }
-        outcome
+        outcome.map_err(Stop::Failed)
     }
 
     /// The KV-transfer hint of a booking (http-api §5.4, scheduling §4.8): a source
@@ -1124,19 +1161,22 @@ impl SelectionCore {
     }
 
     /// Holds a session for a booking, dropping bindings to departed workers (§8.3 step 1).
+    /// `None` only without `wait`, when another booking is initializing the session.
     fn hold_session<'p>(
         &self,
         partition: &'p Partition,
         table: &'p SessionTable,
         sid: &str,
         now: Instant,
-    ) -> SessionGuard<'p> {
+        wait: bool,
+    ) -> Option<SessionGuard<'p>> {
         for _ in 0..32 {
-            match table.hold(sid, now) {
-                Hold::Init => return SessionGuard::init(table, sid),
-                Hold::Full => return SessionGuard::none(),
+            match table.hold(sid, now, wait) {
+                Hold::Init => return Some(SessionGuard::init(table, sid)),
+                Hold::Full => return Some(SessionGuard::none()),
+                Hold::Busy => return None,
                 Hold::Bound(target) if partition.schedules(target.worker_id, target.dp_rank) => {
-                    return SessionGuard::bound(table, sid, target);
+                    return Some(SessionGuard::bound(table, sid, target));
                 }
                 Hold::Bound(target) => {
                     table.release(sid, now);
@@ -1144,7 +1184,7 @@ impl SelectionCore {
                 }
             }
         }
-        SessionGuard::none()
+        Some(SessionGuard::none())
     }
 
     /// Hashes the prompt into `scratch` and looks up its tiered overlap (moved out of
@@ -1558,18 +1598,42 @@ impl SelectionCore {
         &self,
         req: ReservationRequest,
     ) -> Result<ReservationResponse, SelectionError> {
-        let result = self.create_reservation_inner(req);
+        self.reserve(req, true).done()
+    }
+
+    /// [`create_reservation`](Self::create_reservation) unless it would have to wait behind
+    /// a concurrent first booking of the cached selection's session (the replay form with
+    /// session affinity on; the explicit form never waits). See
+    /// [`try_select_and_reserve`](Self::try_select_and_reserve).
+    pub fn try_create_reservation(
+        &self,
+        req: ReservationRequest,
+    ) -> Attempt<ReservationResponse, ReservationRequest> {
+        self.reserve(req, false)
+    }
+
+    fn reserve(
+        &self,
+        req: ReservationRequest,
+        wait: bool,
+    ) -> Attempt<ReservationResponse, ReservationRequest> {
+        let result = match self.create_reservation_inner(&req, wait) {
+            Ok(r) => Ok(r),
+            Err(Stop::Failed(e)) => Err(e),
+            Err(Stop::WouldWait) => return Attempt::WouldWait(req),
+        };
         if let Err(e) = &result {
             self.metrics
                 .reject(crate::metrics::RejectedOperation::Reservation, e);
         }
-        result
+        Attempt::Done(result)
     }
 
     fn create_reservation_inner(
         &self,
-        req: ReservationRequest,
-    ) -> Result<ReservationResponse, SelectionError> {
+        req: &ReservationRequest,
+        wait: bool,
+    ) -> Result<ReservationResponse, Stop> {
         self.check_running()?;
         let key: PendingKey = (
             req.partition.model_name.clone(),
@@ -1577,7 +1641,7 @@ impl SelectionCore {
             req.selection_id.clone(),
         );
         if req.worker_id.is_none() {
-            return self.replay_reservation(&req, &key);
+            return self.replay_reservation(req, &key, wait);
         }
         self.pending.lock().discard(&key);
         let partition = self.ready_partition(&req.partition)?;
@@ -1590,17 +1654,17 @@ impl SelectionCore {
             &mut scratch,
         )?;
         if let Some(e) = req.effective_prefill_tokens.filter(|&e| e > isl) {
-            return Err(SelectionError::bad_request(format!(
+            return Err(Stop::Failed(SelectionError::bad_request(format!(
                 "effective_prefill_tokens ({e}) must not exceed isl_tokens ({isl})"
-            )));
+            ))));
         }
         let worker_id = req.worker_id.unwrap_or_default();
         let workers = Arc::clone(&partition.workers.read());
         let Some(entry) = workers.get(&worker_id) else {
-            return Err(SelectionError::not_found(format!(
+            return Err(Stop::Failed(SelectionError::not_found(format!(
                 "schedulable worker {worker_id} not found for {}",
                 req.partition
-            )));
+            ))));
         };
         let worker = WorkerKey::new(worker_id, req.dp_rank.unwrap_or(0));
         let track = req.track_prefill_tokens.unwrap_or_else(|| {
@@ -1639,13 +1703,14 @@ impl SelectionCore {
         &self,
         req: &ReservationRequest,
         key: &PendingKey,
-    ) -> Result<ReservationResponse, SelectionError> {
+        wait: bool,
+    ) -> Result<ReservationResponse, Stop> {
         let found = self.pending.lock().get(key, Instant::now());
         let Some((cached, generation)) = found else {
-            return Err(SelectionError::not_found(format!(
+            return Err(Stop::Failed(SelectionError::not_found(format!(
                 "no pending selection {} for {} (expired, already used, or never selected)",
                 req.selection_id, req.partition
-            )));
+            ))));
         };
         let partition = self.ready_partition(&req.partition)?;
         let workers = Arc::clone(&partition.workers.read());
@@ -1661,7 +1726,13 @@ impl SelectionCore {
             })?;
         let claim = self.claim(&req.selection_id, &partition)?;
         let mut session = match (partition.sessions.as_ref(), cached.session_id.as_deref()) {
-            (Some(table), Some(sid)) => self.hold_session(&partition, table, sid, Instant::now()),
+            (Some(table), Some(sid)) => {
+                match self.hold_session(&partition, table, sid, Instant::now(), wait) {
+                    Some(held) => held,
+                    // The claim's row goes with the claim; the cached selection stays.
+                    None => return Err(Stop::WouldWait),
+                }
+            }
             _ => SessionGuard::none(),
         };
         let booking = Booking {
@@ -1681,7 +1752,7 @@ impl SelectionCore {
                 // A session bound elsewhere consumes the cached selection (§7, §16.2).
                 let _ = partition.ledger.lock().free(&req.selection_id);
                 self.pending.lock().consume(key, generation);
-                return Err(e);
+                return Err(e.into());
             }
         };
         self.record_decision(&partition, worker, &cached.block_hashes, None);
@@ -2152,6 +2223,41 @@ impl Claim<'_> {
 
 /// A session held by an in-flight booking: abandons an uncommitted initialization or
 /// releases an unused lease when dropped on an error path.
+/// The result of an operation asked not to wait.
+#[derive(Debug)]
+#[must_use]
+pub enum Attempt<T, R> {
+    /// It ran, without waiting (and succeeded or failed).
+    Done(Result<T, SelectionError>),
+    /// It would have waited; the request, unchanged, for a caller that may block. Nothing
+    /// was booked, claimed or counted.
+    WouldWait(R),
+}
+
+impl<T, R> Attempt<T, R> {
+    /// The outcome of a call that was allowed to wait, which never stops early.
+    fn done(self) -> Result<T, SelectionError> {
+        match self {
+            Self::Done(r) => r,
+            Self::WouldWait(_) => Err(SelectionError::internal(
+                "an operation allowed to wait stopped as if it would wait",
+            )),
+        }
+    }
+}
+
+/// Why a selection ended without a response.
+enum Stop {
+    Failed(SelectionError),
+    WouldWait,
+}
+
+impl From<SelectionError> for Stop {
+    fn from(e: SelectionError) -> Self {
+        Self::Failed(e)
+    }
+}
+
 struct SessionGuard<'p> {
     table: Option<&'p SessionTable>,
     sid: String,

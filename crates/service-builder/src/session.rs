@@ -50,6 +50,8 @@ pub(crate) enum Hold {
     Bound(SessionTarget),
     /// The table is full: proceed without affinity.
     Full,
+    /// Another booking is initializing the session and the caller asked not to wait.
+    Busy,
 }
 
 /// A binding change other replicas should learn about.
@@ -101,12 +103,14 @@ impl SessionTable {
         }
     }
 
-    /// Holds the session for a booking (waiting, bounded, behind a concurrent initializer).
-    pub(crate) fn hold(&self, session: &str, now: Instant) -> Hold {
+    /// Holds the session for a booking. Behind a concurrent initializer it waits (bounded)
+    /// when `wait` is set, else returns [`Hold::Busy`] at once.
+    pub(crate) fn hold(&self, session: &str, now: Instant, wait: bool) -> Hold {
         let mut t = self.entries.lock();
         let give_up = Instant::now() + INIT_WAIT;
         loop {
             match t.map.get_mut(session) {
+                Some(Entry::Initializing) if !wait => return Hold::Busy,
                 Some(Entry::Initializing) => {
                     if self.changed.wait_until(&mut t, give_up).timed_out() {
                         // The initializer is stuck: proceed without affinity rather than hang.
@@ -310,28 +314,40 @@ mod tests {
     fn first_hold_initializes_then_binds() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        assert_eq!(t.hold("s", now), Hold::Init);
+        assert_eq!(t.hold("s", now, true), Hold::Init);
         t.commit_init("s", target(7, Some(1)), now);
         assert_eq!(t.read("s", now), Some(target(7, Some(1))));
-        assert_eq!(t.hold("s", now), Hold::Bound(target(7, Some(1))));
+        assert_eq!(t.hold("s", now, true), Hold::Bound(target(7, Some(1))));
         assert!(t.commit_bound("s", WorkerKey::new(7, 1)).is_ok());
+    }
+
+    #[test]
+    fn a_hold_that_may_not_wait_is_busy_behind_an_initializer() {
+        let t = SessionTable::new(Duration::from_secs(10), 0, 1);
+        let now = Instant::now();
+        assert_eq!(t.hold("s", now, false), Hold::Init);
+        assert_eq!(t.hold("s", now, false), Hold::Busy);
+        // Other sessions are not affected.
+        assert_eq!(t.hold("other", now, false), Hold::Init);
+        t.commit_init("s", target(7, Some(1)), now);
+        assert_eq!(t.hold("s", now, false), Hold::Bound(target(7, Some(1))));
     }
 
     #[test]
     fn mismatched_commit_drops_the_binding_with_the_contract_message() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        t.hold("s", now);
+        t.hold("s", now, true);
         t.commit_init("s", target(7, Some(1)), now);
-        t.hold("s", now);
+        t.hold("s", now, true);
         assert_eq!(
             t.commit_bound("s", WorkerKey::new(8, 1)).unwrap_err(),
             "session s is bound to worker 7, not 8"
         );
         assert_eq!(t.read("s", now), None);
-        t.hold("s", now);
+        t.hold("s", now, true);
         t.commit_init("s", target(7, Some(1)), now);
-        t.hold("s", now);
+        t.hold("s", now, true);
         assert_eq!(
             t.commit_bound("s", WorkerKey::new(7, 0)).unwrap_err(),
             "session s is bound to DP rank 1, not 0"
@@ -342,7 +358,7 @@ mod tests {
     fn idle_ttl_starts_when_the_last_lease_is_released() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        t.hold("s", now);
+        t.hold("s", now, true);
         t.commit_init("s", target(1, Some(0)), now);
         let later = now + Duration::from_secs(60);
         assert!(
@@ -360,18 +376,18 @@ mod tests {
     fn abandoned_initialization_lets_the_next_request_initialize() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        assert_eq!(t.hold("s", now), Hold::Init);
+        assert_eq!(t.hold("s", now, true), Hold::Init);
         t.abandon("s");
-        assert_eq!(t.hold("s", now), Hold::Init);
+        assert_eq!(t.hold("s", now, true), Hold::Init);
     }
 
     #[test]
     fn a_waiting_hold_sees_the_concurrent_commit() {
         let t = std::sync::Arc::new(SessionTable::new(Duration::from_secs(10), 0, 1));
         let now = Instant::now();
-        assert_eq!(t.hold("s", now), Hold::Init);
+        assert_eq!(t.hold("s", now, true), Hold::Init);
         let t2 = std::sync::Arc::clone(&t);
-        let waiter = std::thread::spawn(move || t2.hold("s", now));
+        let waiter = std::thread::spawn(move || t2.hold("s", now, true));
         std::thread::sleep(Duration::from_millis(20));
         t.commit_init("s", target(3, Some(0)), now);
         assert_eq!(waiter.join().unwrap(), Hold::Bound(target(3, Some(0))));
@@ -391,7 +407,7 @@ mod tests {
         assert!(!t.apply_remote(&u(6, 49), now));
         assert_eq!(t.read("s", now), Some(target(5, Some(0))));
         // Our next local version is above everything observed.
-        t.hold("x", now);
+        t.hold("x", now, true);
         assert!(t.commit_init("x", target(1, None), now).version.0 > 100);
     }
 }

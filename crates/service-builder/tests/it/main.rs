@@ -713,6 +713,134 @@ fn a_binding_to_a_deleted_worker_is_dropped() {
     assert_ne!(next.worker_id, first.worker_id);
 }
 
+/// Once armed, parks the next selection it scores until the test releases it, so that booking's
+/// session stays mid-initialization for as long as the test needs.
+#[derive(Debug)]
+struct ParkFirst {
+    entered: parking_lot::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    release: parking_lot::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+}
+
+#[derive(Debug)]
+struct ParkFirstScorer(Arc<ParkFirst>);
+
+impl selection_policy::Scorer for ParkFirstScorer {
+    fn score(
+        &self,
+        _: &selection_policy::SelectionContext<'_>,
+        _: &[selection_policy::Candidate],
+        costs: &mut [f64],
+    ) -> Result<(), selection_policy::PolicyError> {
+        let entered = self.0.entered.lock().take();
+        if let Some(tx) = entered {
+            tx.send(()).unwrap();
+            let release = self.0.release.lock().take().unwrap();
+            release.recv_timeout(Duration::from_secs(20)).unwrap();
+        }
+        costs.fill(0.0);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_booking_that_would_wait_behind_a_session_initializer_comes_back_untouched() {
+    use selection_policy::{Policy, TemperaturePicker};
+    use service_builder::Attempt;
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let (release, release_rx) = std::sync::mpsc::channel();
+    let gate = Arc::new(ParkFirst {
+        entered: parking_lot::Mutex::new(None),
+        release: parking_lot::Mutex::new(Some(release_rx)),
+    });
+    let shared = Arc::clone(&gate);
+    let factory: service_builder::PolicyFactory =
+        Arc::new(move |cfg: &RouterConfig, _: &PartitionKey| {
+            Policy::new(
+                cfg,
+                vec![Box::new(ParkFirstScorer(Arc::clone(&shared)))],
+                Box::new(TemperaturePicker::new(cfg)),
+            )
+            .with_exclusive_affinity(true)
+        });
+    let config = CoreConfig {
+        session_affinity_ttl: Some(Duration::from_secs(60)),
+        ..approx_config()
+    };
+    let c = SelectionCore::try_new_local(config, Some(factory)).unwrap();
+    for id in 1..=3 {
+        c.upsert_worker(worker(id)).unwrap();
+    }
+    // A pending selection of session "s", for the replay form below, on the worker the
+    // session's first booking will bind (replaying onto another would fail with 400).
+    c.select(SelectRequest {
+        selection_id: Some("cached".into()),
+        allowed_worker_ids: Some(vec![2]),
+        ..with_session("s", 8)
+    })
+    .unwrap();
+    *gate.entered.lock() = Some(entered_tx);
+    let first = {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || {
+            c.select_and_reserve(SelectRequest {
+                selection_id: Some("first".into()),
+                allowed_worker_ids: Some(vec![2]),
+                ..with_session("s", 8)
+            })
+        })
+    };
+    entered.recv_timeout(Duration::from_secs(20)).unwrap();
+    // "s" is being initialized by "first", whose claim is the only reservation row.
+    assert_eq!(c.reservation_count(), 1);
+
+    let given = SelectRequest {
+        selection_id: Some("second".into()),
+        ..with_session("s", 12)
+    };
+    let Attempt::WouldWait(back) = c.try_select_and_reserve(given) else {
+        panic!("a booking behind the initializer must not run");
+    };
+    assert_eq!(back.selection_id.as_deref(), Some("second"));
+    assert_eq!(back.session_id.as_deref(), Some("s"));
+    assert_eq!(back.prompt.token_ids.as_ref().map(Vec::len), Some(12));
+    // A generated id is not handed back as if the caller had chosen it.
+    let Attempt::WouldWait(back) = c.try_select_and_reserve(with_session("s", 8)) else {
+        panic!("a booking behind the initializer must not run");
+    };
+    assert_eq!(back.selection_id, None);
+    let replay = ReservationRequest {
+        selection_id: "cached".into(),
+        ..ReservationRequest::default()
+    };
+    let Attempt::WouldWait(_) = c.try_create_reservation(replay.clone()) else {
+        panic!("a replay behind the initializer must not run");
+    };
+    assert_eq!(c.reservation_count(), 1, "nothing was claimed");
+    assert_eq!(
+        c.pending_selection_count().0,
+        1,
+        "the cached selection stays"
+    );
+
+    release.send(()).unwrap();
+    let first = first.join().unwrap().unwrap();
+    // The same request now books, on the session's worker, under the id it came back with.
+    let Attempt::Done(Ok(second)) = c.try_select_and_reserve(SelectRequest {
+        selection_id: Some("second".into()),
+        ..with_session("s", 12)
+    }) else {
+        panic!("the session is bound now");
+    };
+    assert_eq!(second.selection_id.as_deref(), Some("second"));
+    assert_eq!(second.worker_id, first.worker_id);
+    let replayed = match c.try_create_reservation(replay) {
+        Attempt::Done(r) => r.unwrap(),
+        Attempt::WouldWait(_) => panic!("the replay books now"),
+    };
+    assert_eq!((first.worker_id, replayed.worker_id), (2, 2));
+    assert_eq!(c.reservation_count(), 3);
+}
+
 #[test]
 fn long_session_ids_are_rejected() {
     let c = affinity_core();
