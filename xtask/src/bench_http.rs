@@ -13,7 +13,8 @@
 //! does per model request: `POST /select_and_reserve` with the same bodies, then
 //! `DELETE /reservations/{id}`. `--sessions` turns session affinity on in the server and
 //! gives every body a session of its own (as agentic clients send), so each booking goes
-//! through the session table.
+//! through the session table. `--queue-threshold` turns the admission queue on (never
+//! reached by the bench's load: it measures admission, not waiting).
 //!
 //! The server and the load generator share the machine's cores, so the figures are a lower
 //! bound of what the server alone sustains; `--perf` records a profile of the server during
@@ -80,6 +81,11 @@ struct Args {
     /// give each of the request bodies its own `session_id`.
     #[arg(long, conflicts_with = "ceiling")]
     sessions: bool,
+    /// Start the server with the admission queue on (`DYN_ROUTER_QUEUE_THRESHOLD`). The
+    /// workers' prefill capacity (1,000,000 tokens) keeps them below any threshold the
+    /// bench reaches, so this measures the cost of admission itself, not waiting.
+    #[arg(long, value_name = "FRACTION", conflicts_with = "ceiling")]
+    queue_threshold: Option<f64>,
     /// Internal: serve the ceiling server on this address until killed.
     #[arg(long, hide = true, value_name = "ADDR")]
     serve_ceiling: Option<SocketAddr>,
@@ -117,7 +123,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
                 crate::root().join("target/release/select-server")
             }
         };
-        ServerProcess::start(&binary, args.sessions)?
+        ServerProcess::start(&binary, args.sessions, args.queue_threshold)?
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -495,21 +501,26 @@ pub(crate) struct ServerProcess {
 }
 
 impl ServerProcess {
-    fn start(binary: &std::path::Path, sessions: bool) -> Result<Self> {
+    fn start(
+        binary: &std::path::Path,
+        sessions: bool,
+        queue_threshold: Option<f64>,
+    ) -> Result<Self> {
         let flags: &[&str] = if sessions {
             &["--session-affinity-ttl-secs", "600"]
         } else {
             &[]
         };
-        Self::start_with(
-            binary,
-            flags,
-            &[
-                ("DYN_ROUTER_USE_KV_EVENTS", "false"),
-                // Recorded prefixes must outlive every run.
-                ("DYN_ROUTER_TTL_SECS", "3600"),
-            ],
-        )
+        let threshold = queue_threshold.map(|t| t.to_string());
+        let mut envs = vec![
+            ("DYN_ROUTER_USE_KV_EVENTS", "false"),
+            // Recorded prefixes must outlive every run.
+            ("DYN_ROUTER_TTL_SECS", "3600"),
+        ];
+        if let Some(t) = &threshold {
+            envs.push(("DYN_ROUTER_QUEUE_THRESHOLD", t));
+        }
+        Self::start_with(binary, flags, &envs)
     }
 
     /// Starts `binary` on a free loopback port with extra flags and environment.
@@ -732,6 +743,8 @@ mod tests {
         // The ceiling server answers only `/select`.
         assert!(Args::try_parse_from(["x", "--ceiling", "--lifecycle"]).is_err());
         assert!(Args::try_parse_from(["x", "--ceiling", "--sessions"]).is_err());
+        let queued = Args::try_parse_from(["x", "--queue-threshold", "0.9"]).unwrap();
+        assert_eq!(queued.queue_threshold, Some(0.9));
         assert!(
             Args::try_parse_from(["x", "--lifecycle", "--sessions"])
                 .unwrap()

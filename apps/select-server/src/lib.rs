@@ -38,7 +38,7 @@
 //!   unusual falls back to the exact parse, so error messages are those of serde. On a
 //!   2,048-token body this took server CPU per `/select` from ≈ 200 µs to ≈ 50–70 µs; the
 //!   other part of that gain is running `/select` inline instead of on the blocking pool
-//!   when no admission queue is configured.
+//!   unless it would wait in the admission queue.
 
 pub mod auth;
 pub mod backend;

@@ -1,7 +1,9 @@
 //! [`Backend`] over the in-process [`SelectionService`]: DTO <-> service-type conversions
 //! and the error mapping. Operations that may block (catalog changes join listener
-//! threads; a booking may wait behind a concurrent session initialization) run on the
-//! blocking pool so the async workers never stall.
+//! threads) run on the blocking pool so the async workers never stall. Selections and
+//! bookings, which wait only in the admission queue or behind a concurrent session
+//! initialization, are first tried inline without waiting and moved to the blocking pool
+//! only when the core hands them back (`Attempt::WouldWait`).
 
 use std::sync::Arc;
 
@@ -28,7 +30,7 @@ pub struct ServiceBackend {
     /// Every `/metrics` series: the service's counters and its scrape-time collector.
     registry: Registry,
     /// Whether a non-advisory `/select` may wait in the admission queue (a busy threshold
-    /// is configured), so it must not run on an async worker.
+    /// is configured), so it is first tried without waiting.
     select_may_wait: bool,
 }
 
@@ -64,28 +66,12 @@ impl ServiceBackend {
         }
     }
 
-    /// Runs a core operation on the blocking pool when it may wait (in the admission
-    /// queue), else inline on the async worker: an operation that
-    /// cannot wait only takes brief parking_lot sections, tens of microseconds, less than the
-    /// two thread hand-offs of `spawn_blocking`, which were the largest cost in the profile
-    /// of `/select` (docs/hot-path.md). For a booking, at one connection (2,048 tokens,
-    /// 8 workers, approximate mode) a select_and_reserve + free cycle went from 283–317 to
-    /// 227–243 µs of server CPU.
-    async fn run<T: Send + 'static>(
-        &self,
-        may_wait: bool,
-        f: impl FnOnce(&SelectionCore) -> Result<T, SelectionError> + Send + 'static,
-    ) -> ApiResult<T> {
-        if may_wait {
-            self.blocking(f).await
-        } else {
-            f(self.service.core()).map_err(api_error)
-        }
-    }
-
-    /// Runs `attempt` inline; only when it reports that it would wait (behind a session's
-    /// concurrent first booking, the one wait a booking outside the admission queue can
-    /// meet) does the request move to the blocking pool, for `fallback`.
+    /// Runs `attempt` inline on the async worker; only when it reports that it would wait
+    /// (in the admission queue, or behind a session's concurrent first booking) does the
+    /// request move to the blocking pool, for `fallback`. An operation that does not wait
+    /// takes only brief parking_lot sections, tens of microseconds, less than the two thread
+    /// hand-offs of `spawn_blocking`, which were the largest cost in the profile of
+    /// `/select` (docs/hot-path.md).
     async fn attempt<T: Send + 'static, R: Send + 'static>(
         &self,
         req: R,
@@ -398,9 +384,13 @@ impl Backend for ServiceBackend {
     async fn select(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
         let may_wait = self.select_may_wait && !req.advisory;
         let r = select_request(req.prompt, req.options, req.advisory)?;
-        self.run(may_wait, move |c| c.select(r))
-            .await
-            .map(selection_response)
+        let out = if may_wait {
+            self.attempt(r, SelectionCore::try_select, SelectionCore::select)
+                .await
+        } else {
+            self.core().select(r).map_err(api_error)
+        };
+        out.map(selection_response)
     }
 
     async fn select_and_reserve(
@@ -408,17 +398,13 @@ impl Backend for ServiceBackend {
         req: SelectAndReserveRequest,
     ) -> ApiResult<SelectionResponse> {
         let r = select_request(req.prompt, req.options, false)?;
-        let out = if self.select_may_wait {
-            self.blocking(move |c| c.select_and_reserve(r)).await
-        } else {
-            self.attempt(
-                r,
-                SelectionCore::try_select_and_reserve,
-                SelectionCore::select_and_reserve,
-            )
-            .await
-        };
-        out.map(selection_response)
+        self.attempt(
+            r,
+            SelectionCore::try_select_and_reserve,
+            SelectionCore::select_and_reserve,
+        )
+        .await
+        .map(selection_response)
     }
 
     async fn create_reservation(&self, req: ReservationRequest) -> ApiResult<ReservationResponse> {

@@ -88,6 +88,6 @@ pub use policy::{
 pub use queue::{
     AdmissionQueue, Arrival, DEFAULT_OVERLAP_REFRESH_AFTER, LimitKind, Offer, PolicyClass,
     QUEUE_RECHECK_INTERVAL, QUEUE_RECHECK_INTERVAL_WITH_MODEL, QueueConfigError, QueueRejected,
-    Waiting,
+    TryOffer, Waiting,
 };
 pub use rng::PickRng;

@@ -243,6 +243,15 @@ pub enum Offer<T> {
     Queued,
 }
 
+/// What [`AdmissionQueue::try_offer`] did.
+#[derive(Debug)]
+pub enum TryOffer<T> {
+    /// Dispatch now, exactly as [`Offer::Admit`].
+    Admit(T),
+    /// [`AdmissionQueue::offer`] would have queued it; nothing was queued.
+    WouldQueue(T),
+}
+
 #[derive(Debug)]
 struct ClassQueue<T> {
     class: PolicyClass,
@@ -322,14 +331,55 @@ impl<T> AdmissionQueue<T> {
         arrival: Arrival<T>,
         registered_workers: usize,
         now: Instant,
-        mut gate: G,
+        gate: G,
     ) -> Result<Offer<T>, QueueRejected>
     where
         G: FnMut(&PolicyClass, &Waiting<T>) -> bool,
     {
         let class_index = arrival.class.min(self.classes.len() - 1);
-        let offset = now.saturating_duration_since(self.created_at).as_secs_f64();
         let jump = arrival.priority_jump.max(0.0);
+        match self.admit_or_check(arrival, class_index, registered_workers, gate)? {
+            Ok(payload) => Ok(Offer::Admit(payload)),
+            Err(waiting) => {
+                self.enqueue(class_index, waiting, jump, now);
+                Ok(Offer::Queued)
+            }
+        }
+    }
+
+    /// [`Self::offer`] for a caller that must not wait: the same admission and the same
+    /// rejections, but where `offer` would queue the request it is handed back
+    /// ([`TryOffer::WouldQueue`]) and the queue is left as it was.
+    pub fn try_offer<G>(
+        &mut self,
+        arrival: Arrival<T>,
+        registered_workers: usize,
+        gate: G,
+    ) -> Result<TryOffer<T>, QueueRejected>
+    where
+        G: FnMut(&PolicyClass, &Waiting<T>) -> bool,
+    {
+        let class_index = arrival.class.min(self.classes.len() - 1);
+        Ok(
+            match self.admit_or_check(arrival, class_index, registered_workers, gate)? {
+                Ok(payload) => TryOffer::Admit(payload),
+                Err(waiting) => TryOffer::WouldQueue(waiting.payload),
+            },
+        )
+    }
+
+    /// Admits `arrival` now (`Ok(Ok(payload))`), rejects it against its class's limits, or
+    /// returns it ready to be queued (`Ok(Err(waiting))`).
+    fn admit_or_check<G>(
+        &mut self,
+        arrival: Arrival<T>,
+        class_index: usize,
+        registered_workers: usize,
+        mut gate: G,
+    ) -> Result<Result<T, Waiting<T>>, QueueRejected>
+    where
+        G: FnMut(&PolicyClass, &Waiting<T>) -> bool,
+    {
         let cq = &mut self.classes[class_index];
         let waiting = Waiting {
             payload: arrival.payload,
@@ -342,10 +392,10 @@ impl<T> AdmissionQueue<T> {
         };
         // With zero workers the request goes on and fails with NoEndpoints.
         if arrival.advisory || !cq.class.queueing_enabled() || registered_workers == 0 {
-            return Ok(Offer::Admit(waiting.payload));
+            return Ok(Ok(waiting.payload));
         }
         if cq.waiting.is_empty() && gate(&cq.class, &waiting) {
-            return Ok(Offer::Admit(waiting.payload));
+            return Ok(Ok(waiting.payload));
         }
         let n = registered_workers as u64;
         let totals = [
@@ -369,7 +419,7 @@ impl<T> AdmissionQueue<T> {
             // Never queues: admitted while a rank is free (checked even behind waiters,
             // which cannot exist in such a class), rejected otherwise.
             if gate(&cq.class, &waiting) {
-                return Ok(Offer::Admit(waiting.payload));
+                return Ok(Ok(waiting.payload));
             }
         }
         for (kind, limit, current) in totals {
@@ -385,18 +435,28 @@ impl<T> AdmissionQueue<T> {
                 }
             }
         }
+        Ok(Err(waiting))
+    }
+
+    /// Queues `waiting` in its class, ranked by the class's policy.
+    fn enqueue(&mut self, class_index: usize, waiting: Waiting<T>, jump: f64, now: Instant) {
+        let offset = now.saturating_duration_since(self.created_at).as_secs_f64();
+        let cq = &mut self.classes[class_index];
         let score = match cq.class.queue_policy {
             QueuePolicy::Fcfs => jump - offset,
             QueuePolicy::Lcfs => jump + offset,
             QueuePolicy::Wspt => (1.0 + jump) / waiting.uncached_tokens().max(1) as f64,
         };
-        let waiting = Waiting { score, ..waiting };
+        let waiting = Waiting {
+            score,
+            seq: self.next_seq,
+            ..waiting
+        };
         self.next_seq += 1;
         cq.raw_isl_tokens += waiting.isl;
         cq.cached_tokens += waiting.best_cached_tokens;
         let at = cq.waiting.partition_point(|w| w.ranks_before(&waiting));
         cq.waiting.insert(at, waiting);
-        Ok(Offer::Queued)
     }
 
     /// The next request to dispatch, if any can go now.
@@ -506,6 +566,45 @@ mod tests {
         assert!(!c.queueing_enabled());
         c.prefill_busy_threshold_frac = Some(0.5);
         assert!(c.is_busy(51, Some(100)) && !c.is_busy(5_000_000, None));
+    }
+
+    #[test]
+    fn try_offer_admits_and_rejects_like_offer_but_never_queues() {
+        let t0 = Instant::now();
+        let mut limited = class("c", QueuePolicy::Fcfs);
+        limited.request_queue_limit_per_worker = Some(1);
+        let mut q = AdmissionQueue::new(vec![limited], t0).unwrap();
+        assert!(matches!(
+            q.try_offer(arrival(1, 10), 1, |_, _| true),
+            Ok(TryOffer::Admit(1))
+        ));
+        assert!(matches!(
+            q.try_offer(arrival(2, 10), 1, |_, _| false),
+            Ok(TryOffer::WouldQueue(2))
+        ));
+        assert!(q.is_empty() && q.pending_isl_tokens() == 0);
+        // Once someone waits, a free gate still does not jump the queue, and a full class
+        // rejects exactly as `offer` does.
+        assert!(matches!(
+            q.offer(arrival(3, 10), 1, t0, |_, _| false),
+            Ok(Offer::Queued)
+        ));
+        assert!(matches!(
+            q.try_offer(arrival(4, 10), 1, |_, _| true),
+            Err(QueueRejected {
+                limit_kind: LimitKind::Requests,
+                current: 1,
+                limit: 1,
+                ..
+            })
+        ));
+        assert_eq!(q.len(), 1);
+        assert_eq!(drain(&mut q), [3]);
+        assert!(matches!(
+            q.try_offer(arrival(5, 10), 1, |_, _| false),
+            Ok(TryOffer::WouldQueue(5))
+        ));
+        assert!(q.is_empty());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kv_types::WorkerKey;
 use parking_lot::{Condvar, Mutex};
 use selection_policy::{
-    AdmissionQueue, Arrival, Offer, PolicyClass, PolicyClasses, QueueRejected, Waiting,
+    AdmissionQueue, Arrival, Offer, PolicyClass, PolicyClasses, QueueRejected, TryOffer, Waiting,
 };
 
 /// Longest a request waits in the queue before it gives up (429, request deadline
@@ -125,6 +125,21 @@ impl PartitionQueue {
             Offer::Admit(_) => None,
             Offer::Queued => Some(ticket),
         })
+    }
+
+    /// [`Self::offer`] for a caller that must not wait: `Ok(false)` where `offer` would
+    /// have queued the request (nothing is queued then).
+    pub(crate) fn try_offer(
+        &self,
+        arrival: Arrival<Arc<Ticket>>,
+        registered_workers: usize,
+        gate: impl FnMut(&PolicyClass, &Waiting<Arc<Ticket>>) -> bool,
+    ) -> Result<bool, QueueRejected> {
+        let offered = self
+            .queue
+            .lock()
+            .try_offer(arrival, registered_workers, gate)?;
+        Ok(matches!(offered, TryOffer::Admit(_)))
     }
 
     /// Admits the best waiting request the gate lets through now, if any.

@@ -754,6 +754,14 @@ impl SelectionCore {
         self.run_select(req, false, true).done()
     }
 
+    /// [`select`](Self::select) unless it would have to wait in the admission queue (a
+    /// non-advisory request while every eligible rank is busy for its class): then the
+    /// request comes back untouched and nothing was queued or counted. See
+    /// [`try_select_and_reserve`](Self::try_select_and_reserve).
+    pub fn try_select(&self, req: SelectRequest) -> Attempt<SelectResponse, SelectRequest> {
+        self.run_select(req, false, false)
+    }
+
     /// `POST /select_and_reserve`.
     pub fn select_and_reserve(
         &self,
@@ -764,10 +772,11 @@ impl SelectionCore {
     }
 
     /// [`select_and_reserve`](Self::select_and_reserve) unless it would have to wait: in the
-    /// admission queue, or behind a concurrent first booking of the same session. Then the
-    /// request comes back untouched and nothing has changed, so an async caller can run
-    /// the plain call where blocking is allowed, and the common case costs no thread
-    /// hand-off.
+    /// admission queue (every eligible rank busy for the request's class), or behind a
+    /// concurrent first booking of the same session. Then the request comes back untouched
+    /// and nothing has changed (nothing queued, claimed, booked or counted), so an async
+    /// caller can run the plain call where blocking is allowed, and the common case costs
+    /// no thread hand-off.
     pub fn try_select_and_reserve(
         &self,
         mut req: SelectRequest,
@@ -814,10 +823,9 @@ impl SelectionCore {
     ) -> Result<SelectResponse, Stop> {
         self.check_running()?;
         let partition = self.ready_partition(&req.partition)?;
-        if !wait && partition.queue.is_some() && !req.advisory {
-            return Err(Stop::WouldWait);
-        }
+        // What a stop for waiting must put back (the session code sets the affinity target).
         let caller_id = req.selection_id.is_some();
+        let given_affinity = req.affinity_target;
         let selection_id = match (req.selection_id.take(), book) {
             (Some(id), _) => Some(id),
             (None, true) => Some(new_uuid_v4(&self.rng_seed)),
@@ -855,7 +863,21 @@ impl SelectionCore {
         let admission = if req.advisory {
             Ok(Admission::default())
         } else {
-            self.admit(&partition, req, &mut scratch)
+            match self.admit(&partition, req, &mut scratch, wait) {
+                Ok(a) => Ok(a),
+                Err(Stop::Failed(e)) => Err(e),
+                Err(Stop::WouldWait) => {
+                    partition.scratch.lock().push(scratch);
+                    // The session hold and the claim's row are released with their guards.
+                    drop(session);
+                    drop(claim);
+                    req.affinity_target = given_affinity;
+                    if caller_id {
+                        req.selection_id = selection_id;
+                    }
+                    return Err(Stop::WouldWait);
+                }
+            }
         };
         let queued = admission.as_ref().is_ok_and(|a| a.queued);
         let result =
@@ -1013,12 +1035,16 @@ impl SelectionCore {
     /// ISL buckets need the best cached tokens) and `schedule` reuses `scratch`; after a
     /// wait of at least `overlap_refresh_after` the lookup is redone (§5.5). Without a
     /// queue this returns at once and does nothing.
+    ///
+    /// Without `wait`, a request that would have to queue stops with `Stop::WouldWait`
+    /// instead, and nothing is queued.
     fn admit(
         &self,
         partition: &Partition,
         req: &SelectRequest,
         scratch: &mut SelectScratch,
-    ) -> Result<Admission, SelectionError> {
+        wait: bool,
+    ) -> Result<Admission, Stop> {
         let Some(queue) = &partition.queue else {
             return Ok(Admission::default());
         };
@@ -1050,9 +1076,19 @@ impl SelectionCore {
         let workers = Arc::clone(&partition.workers.read());
         let offered = {
             let ledger = partition.ledger.lock();
-            queue.offer(arrival, workers.len(), |class, w| {
+            let gate = |class: &selection_policy::PolicyClass,
+                        w: &selection_policy::Waiting<Arc<Ticket>>| {
                 any_rank_free(&workers, &ledger, class, w)
-            })
+            };
+            if wait {
+                queue.offer(arrival, workers.len(), gate)
+            } else {
+                match queue.try_offer(arrival, workers.len(), gate) {
+                    Ok(true) => Ok(None),
+                    Ok(false) => return Err(Stop::WouldWait),
+                    Err(rejected) => Err(rejected),
+                }
+            }
         };
         let queued = match offered {
             Ok(None) => {
@@ -1063,7 +1099,7 @@ impl SelectionCore {
             }
             Ok(Some(t)) => t,
             Err(rejected) => {
-                return Err(
+                return Err(Stop::Failed(
                     SelectionError::scheduler(429, rejected.to_string()).with_details(
                         crate::RejectionDetails {
                             policy_class: rejected.policy_class,
@@ -1072,7 +1108,7 @@ impl SelectionCore {
                             limit: rejected.limit,
                         },
                     ),
-                );
+                ));
             }
         };
         let enqueued_at = Instant::now();
@@ -1093,13 +1129,14 @@ impl SelectionCore {
                     queued: true,
                 })
             }
-            WaitOutcome::ShutDown => Err(SelectionError::scheduler(
+            WaitOutcome::ShutDown => Err(Stop::Failed(SelectionError::scheduler(
                 503,
                 "endpoint subscriber shutdown",
-            )),
-            WaitOutcome::TimedOut => {
-                Err(SelectionError::scheduler(429, "request deadline exceeded"))
-            }
+            ))),
+            WaitOutcome::TimedOut => Err(Stop::Failed(SelectionError::scheduler(
+                429,
+                "request deadline exceeded",
+            ))),
         }
     }
 

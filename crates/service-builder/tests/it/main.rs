@@ -1284,6 +1284,75 @@ fn a_busy_partition_queues_until_capacity_frees_and_shutdown_fails_waiters() {
     );
 }
 
+#[test]
+fn a_request_that_would_queue_comes_back_untouched_and_nothing_is_queued() {
+    use service_builder::Attempt;
+    let mut config = approx_config();
+    config.router.router_queue_threshold = Some(0.5);
+    config.session_affinity_ttl = Some(Duration::from_secs(60));
+    let c = core(config);
+    c.upsert_worker(WorkerRequest {
+        max_num_batched_tokens: Some(100),
+        ..worker(1)
+    })
+    .unwrap();
+    // Idle: both forms are admitted at once and run.
+    assert!(matches!(
+        c.try_select(select(tokens(8))),
+        Attempt::Done(Ok(_))
+    ));
+    let Attempt::Done(Ok(_)) = c.try_select_and_reserve(SelectRequest {
+        selection_id: Some("a".into()),
+        ..with_session("s", 80)
+    }) else {
+        panic!("an idle partition admits at once");
+    };
+    // 80 prefill tokens > 0.5 × 100: every rank is busy now, so these would queue.
+    let given = SelectRequest {
+        selection_id: Some("b".into()),
+        ..with_session("s", 8)
+    };
+    let Attempt::WouldWait(back) = c.try_select_and_reserve(given) else {
+        panic!("a booking that would queue must not run");
+    };
+    assert_eq!(back.selection_id.as_deref(), Some("b"));
+    assert_eq!(back.session_id.as_deref(), Some("s"));
+    // The session's bound target is applied during the attempt; it must not leak into the
+    // request handed back, or the retry would skip the session (an explicit target wins).
+    assert_eq!(back.affinity_target, None);
+    assert!(matches!(
+        c.try_select(select(tokens(8))),
+        Attempt::WouldWait(_)
+    ));
+    // Advisory selections never queue.
+    assert!(matches!(
+        c.try_select(SelectRequest {
+            advisory: true,
+            ..select(tokens(8))
+        }),
+        Attempt::Done(Ok(_))
+    ));
+    assert_eq!(
+        c.loads(None, None)[0].pending_count,
+        0,
+        "nothing was queued"
+    );
+    assert_eq!(c.reservation_count(), 1, "nothing was claimed");
+    // The handed-back request, run where it may wait, queues and is admitted once the
+    // first booking's prefill completes.
+    let waiter = {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || c.select_and_reserve(back))
+    };
+    wait_until("the request to queue", || {
+        c.loads(None, None)[0].pending_count == 1
+    });
+    c.prefill_complete("a").unwrap();
+    let admitted = waiter.join().unwrap().unwrap();
+    assert_eq!(admitted.selection_id.as_deref(), Some("b"));
+    assert_eq!(c.reservation_count(), 2);
+}
+
 // ------------------------------------------------------------ KV hints
 
 fn hint_worker(id: u64, control: Option<&str>, mode: Option<&str>) -> WorkerRequest {
