@@ -1097,7 +1097,10 @@ impl SelectionCore {
                     queued: false,
                 });
             }
-            Ok(Some(t)) => t,
+            Ok(Some(t)) => {
+                self.metrics.admission_waits.inc();
+                t
+            }
             Err(rejected) => {
                 return Err(Stop::Failed(
                     SelectionError::scheduler(429, rejected.to_string()).with_details(
@@ -1112,7 +1115,9 @@ impl SelectionCore {
             }
         };
         let enqueued_at = Instant::now();
-        match queued.wait(MAX_QUEUE_WAIT) {
+        let outcome = queued.wait(MAX_QUEUE_WAIT);
+        self.metrics.admission_wait.observe(enqueued_at.elapsed());
+        match outcome {
             WaitOutcome::Admitted => {
                 self.check_running()?;
                 if self

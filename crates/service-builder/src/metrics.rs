@@ -226,6 +226,10 @@ pub struct CoreMetrics {
     pub(crate) frees: Counter,
     /// Wall time of `select` / `select_and_reserve` inside the core (queue wait included).
     pub(crate) selection_latency: LatencyHistogram,
+    /// Requests that were queued rather than admitted at once.
+    pub(crate) admission_waits: Counter,
+    /// Time queued, until admitted, timed out or released by shutdown.
+    pub(crate) admission_wait: LatencyHistogram,
     rejections: Family<RejectionLabels, Counter>,
     /// Handles into `rejections`, so counting one is an array index and an increment.
     rejection_cells: [[Counter; RejectionReason::ALL.len()]; RejectedOperation::ALL.len()],
@@ -250,6 +254,8 @@ impl Default for CoreMetrics {
             reservations_rejected_full: Counter::default(),
             frees: Counter::default(),
             selection_latency: LatencyHistogram::default(),
+            admission_waits: Counter::default(),
+            admission_wait: LatencyHistogram::default(),
             rejections,
             rejection_cells,
         }
@@ -292,6 +298,14 @@ impl CoreMetrics {
     pub fn selection_latency(&self) -> &LatencyHistogram {
         &self.selection_latency
     }
+    /// Requests that waited in the admission queue (queued rather than admitted at once).
+    pub fn admission_waits(&self) -> u64 {
+        self.admission_waits.get()
+    }
+    /// Time each queued request waited, until admitted, timed out or shut down.
+    pub fn admission_wait(&self) -> &LatencyHistogram {
+        &self.admission_wait
+    }
 
     /// Counts a failed operation under its reason.
     pub(crate) fn reject(&self, operation: RejectedOperation, e: &SelectionError) {
@@ -325,6 +339,11 @@ impl CoreMetrics {
                 "Bookings rejected by --max-active-reservations",
                 &self.reservations_rejected_full,
             ),
+            (
+                "admission_waits",
+                "Requests queued by the admission queue rather than admitted at once",
+                &self.admission_waits,
+            ),
         ];
         for (name, help, c) in counters {
             r.register(name, help, c.clone());
@@ -339,6 +358,12 @@ impl CoreMetrics {
             "Time inside the service per selection (queue wait included)",
             Unit::Seconds,
             self.selection_latency.clone(),
+        );
+        r.register_with_unit(
+            "admission_wait_duration",
+            "Time queued requests waited in the admission queue, until admitted, timed out or shut down",
+            Unit::Seconds,
+            self.admission_wait.clone(),
         );
     }
 }

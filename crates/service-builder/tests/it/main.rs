@@ -1257,6 +1257,9 @@ fn a_busy_partition_queues_until_capacity_frees_and_shutdown_fails_waiters() {
     let admitted = waiter.join().unwrap().unwrap();
     assert_eq!(admitted.selection_id.as_deref(), Some("b"));
     assert_eq!(c.loads(None, None)[0].pending_count, 0);
+    // Counted as a wait, its time observed; the advisory select and "a" did not wait.
+    assert_eq!(c.metrics().admission_waits(), 1);
+    assert_eq!(c.metrics().admission_wait().count(), 1);
 
     // Busy again; a waiter is released by shutdown with 503.
     // A different prompt: the first one is cached now (approximate mode recorded it).
@@ -1282,6 +1285,8 @@ fn a_busy_partition_queues_until_capacity_frees_and_shutdown_fails_waiters() {
         (e.status_code(), e.message()),
         (503, "endpoint subscriber shutdown")
     );
+    assert_eq!(c.metrics().admission_waits(), 2);
+    assert_eq!(c.metrics().admission_wait().count(), 2);
 }
 
 #[test]
@@ -1337,6 +1342,7 @@ fn a_request_that_would_queue_comes_back_untouched_and_nothing_is_queued() {
         0,
         "nothing was queued"
     );
+    assert_eq!(c.metrics().admission_waits(), 0);
     assert_eq!(c.reservation_count(), 1, "nothing was claimed");
     // The handed-back request, run where it may wait, queues and is admitted once the
     // first booking's prefill completes.
@@ -1351,6 +1357,7 @@ fn a_request_that_would_queue_comes_back_untouched_and_nothing_is_queued() {
     let admitted = waiter.join().unwrap().unwrap();
     assert_eq!(admitted.selection_id.as_deref(), Some("b"));
     assert_eq!(c.reservation_count(), 2);
+    assert_eq!(c.metrics().admission_waits(), 1);
 }
 
 // ------------------------------------------------------------ KV hints

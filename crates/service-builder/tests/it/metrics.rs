@@ -131,6 +131,12 @@ fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() 
         r#"kv_select_selection_duration_seconds_bucket{le="+Inf"} 3"#,
     );
     has(&text, "kv_select_selection_duration_seconds_count 3");
+    has(&text, "kv_select_admission_waits_total 0");
+    has(
+        &text,
+        "# TYPE kv_select_admission_wait_duration_seconds histogram",
+    );
+    has(&text, "kv_select_admission_wait_duration_seconds_count 0");
     has(&text, "kv_select_active_reservations 0");
     has(&text, "kv_select_pending_selections 0");
     has(&text, "kv_select_session_bindings 0");
