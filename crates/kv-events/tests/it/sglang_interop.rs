@@ -38,9 +38,18 @@ fn venv() -> (PathBuf, PathBuf) {
             Command::new("python3").args(["-m", "venv"]).arg(&dir),
             "python3 -m venv",
         );
+        // Pinned like the engine itself, so a new release of a dependency cannot turn
+        // this guard red (or green) on its own.
         run(
             Command::new(&python).args([
-                "-m", "pip", "install", "--quiet", "msgspec", "pyzmq", "pydantic", "psutil",
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "msgspec==0.23.0",
+                "pyzmq==27.3.0",
+                "pydantic==2.14.4",
+                "psutil==7.2.2",
             ]),
             "pip install msgspec pyzmq pydantic psutil",
         );
