@@ -1360,6 +1360,107 @@ fn a_request_that_would_queue_comes_back_untouched_and_nothing_is_queued() {
     assert_eq!(c.metrics().admission_waits(), 1);
 }
 
+/// Threads book the way the HTTP edge does (an inline attempt; the blocking call only for
+/// what comes back) over sessions shared between threads, while a separate thread frees
+/// each booking a little later, so the admission queue fills and drains: every request
+/// ends exactly once, and afterwards nothing is booked, claimed or queued.
+#[test]
+fn soak_the_try_path_with_sessions_and_a_full_queue_leaves_nothing_behind() {
+    use service_builder::Attempt;
+    let mut config = approx_config();
+    config.router.router_queue_threshold = Some(0.5);
+    config.session_affinity_ttl = Some(Duration::from_secs(60));
+    let c = core(config);
+    for id in 1..=3 {
+        c.upsert_worker(WorkerRequest {
+            max_num_batched_tokens: Some(64),
+            ..worker(id)
+        })
+        .unwrap();
+    }
+    let (to_free, freed) = std::sync::mpsc::channel::<String>();
+    let freer = {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || {
+            for id in freed {
+                std::thread::sleep(Duration::from_micros(300));
+                c.free_reservation(&id).unwrap();
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    let threads: Vec<_> = (0..6u32)
+        .map(|t| {
+            let c = Arc::clone(&c);
+            let to_free = to_free.clone();
+            std::thread::spawn(move || {
+                let (mut booked, mut handed_back) = (0u32, 0u32);
+                let mut n = 0u32;
+                while Instant::now() < deadline && n < 5_000 {
+                    let id = format!("t{t}-{n}");
+                    // Fresh tokens each time: nothing cached, so every booking charges its
+                    // whole prompt (24-40 tokens against a busy threshold of 32).
+                    let first = (t * 5_000 + n) * 64;
+                    let req = SelectRequest {
+                        selection_id: Some(id.clone()),
+                        session_id: Some(format!("s{}", n % 4)),
+                        ..select(PromptInput {
+                            token_ids: Some((first..first + 24 + (n % 3) * 8).collect()),
+                            ..PromptInput::default()
+                        })
+                    };
+                    n += 1;
+                    let outcome = match c.try_select_and_reserve(req) {
+                        Attempt::Done(r) => r,
+                        Attempt::WouldWait(back) => {
+                            handed_back += 1;
+                            assert_eq!(back.selection_id.as_deref(), Some(id.as_str()));
+                            assert_eq!(back.affinity_target, None);
+                            c.select_and_reserve(back)
+                        }
+                    };
+                    match outcome {
+                        Ok(r) => {
+                            assert_eq!(r.selection_id.as_deref(), Some(id.as_str()));
+                            booked += 1;
+                            to_free.send(id).unwrap();
+                        }
+                        // Hard-mode affinity: the session's worker was busy, another was
+                        // chosen, and the booking was rolled back.
+                        Err(e) if e.status_code() == 400 => {}
+                        Err(e) => panic!("unexpected failure: {e}"),
+                    }
+                }
+                (booked, handed_back)
+            })
+        })
+        .collect();
+    drop(to_free);
+    let (mut booked, mut handed_back) = (0, 0);
+    for t in threads {
+        let (b, h) = t.join().unwrap();
+        booked += b;
+        handed_back += h;
+    }
+    freer.join().unwrap();
+    // Thousands of each on a 2-core machine; the point is that both paths ran.
+    assert!(
+        booked > 0 && handed_back > 0,
+        "{booked} booked, {handed_back} handed back"
+    );
+    assert!(c.metrics().admission_waits() > 0);
+    assert_eq!(c.reservation_count(), 0, "no booking or claim leaked");
+    let loads = &c.loads(None, None)[0];
+    assert_eq!(loads.pending_count, 0, "nothing left queued");
+    for row in &loads.loads {
+        assert_eq!(
+            (row.active_requests, row.potential_prefill_tokens),
+            (0, 0),
+            "{row:?}"
+        );
+    }
+}
+
 // ------------------------------------------------------------ KV hints
 
 fn hint_worker(id: u64, control: Option<&str>, mode: Option<&str>) -> WorkerRequest {
