@@ -1,5 +1,5 @@
-//! Property tests: the index against a naive model of prefix chains, and snapshot round
-//! trips.
+//! Property tests: the index against a naive model of prefix chains (event-fed, and
+//! approximate mode with recorded decisions and TTL expiry), and snapshot round trips.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -208,8 +208,117 @@ fn queries_of(model: &Model, random: &[Vec<u8>]) -> Vec<Vec<u64>> {
     out
 }
 
+/// Approximate mode (`indexing.md` §5): a recorded decision owns every prefix of its chain
+/// until `ttl` after the latest record of that prefix; expiry drops exactly those whose
+/// deadline has passed; removing a worker or rank drops its entries.
+#[derive(Default, Debug)]
+struct ApproxModel {
+    /// (worker, path) → deadline, whole seconds since the index's origin.
+    entries: BTreeMap<(WorkerKey, Vec<u64>), u64>,
+}
+
+impl ApproxModel {
+    fn record(&mut self, worker: WorkerKey, locals: &[u64], now: u64, ttl: u64) {
+        for end in 1..=locals.len() {
+            self.entries
+                .insert((worker, locals[..end].to_vec()), now + ttl);
+        }
+    }
+
+    fn scores(&self, query: &[u64]) -> BTreeMap<WorkerKey, u32> {
+        let workers: BTreeSet<WorkerKey> = self.entries.keys().map(|(w, _)| *w).collect();
+        let mut out = BTreeMap::new();
+        for worker in workers {
+            let mut d = 0;
+            while d < query.len() && self.entries.contains_key(&(worker, query[..=d].to_vec())) {
+                d += 1;
+            }
+            if d > 0 {
+                out.insert(worker, d as u32);
+            }
+        }
+        out
+    }
+}
+
+#[derive(Clone, Debug)]
+enum ApproxOp {
+    Record(u8, Vec<u8>),
+    /// Whole seconds forward.
+    Advance(u8),
+    Expire,
+    RemoveWorkerId(u8),
+    RemoveRank(u8),
+}
+
+fn approx_op_strategy() -> impl Strategy<Value = ApproxOp> {
+    prop_oneof![
+        6 => (any::<u8>(), prop::collection::vec(0u8..3, 1..6)).prop_map(|(w, l)| ApproxOp::Record(w, l)),
+        3 => (0u8..8).prop_map(ApproxOp::Advance),
+        3 => Just(ApproxOp::Expire),
+        1 => any::<u8>().prop_map(ApproxOp::RemoveWorkerId),
+        1 => any::<u8>().prop_map(ApproxOp::RemoveRank),
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn approximate_index_matches_model(
+        ops in prop::collection::vec(approx_op_strategy(), 1..60),
+        queries in prop::collection::vec(prop::collection::vec(0u8..3, 0..6), 1..8),
+    ) {
+        const TTL: u64 = 10;
+        let origin = std::time::Instant::now();
+        let config = kv_index::IndexConfig {
+            block_size: 4,
+            use_kv_events: false,
+            router_ttl: std::time::Duration::from_secs(TTL),
+            ..kv_index::IndexConfig::default()
+        };
+        let mut idx = KvIndex::new(&config, origin);
+        let mut model = ApproxModel::default();
+        let mut out = OverlapScores::new();
+        // Whole seconds: deadlines land exactly on the index's 100 ms grid, so "expired"
+        // means the same on both sides.
+        let mut now = 0u64;
+        let at = |secs: u64| origin + std::time::Duration::from_secs(secs);
+        for op in &ops {
+            match op {
+                ApproxOp::Record(wi, locals) => {
+                    let worker = worker_of(*wi);
+                    let locals: Vec<u64> = locals.iter().map(|&l| u64::from(l)).collect();
+                    idx.record_decision(worker, &q(&locals), at(now));
+                    model.record(worker, &locals, now, TTL);
+                }
+                ApproxOp::Advance(secs) => now += u64::from(*secs),
+                ApproxOp::Expire => {
+                    // A small budget: draining in several calls must add up to one.
+                    while idx.expire(at(now), 3) == 3 {}
+                    model.entries.retain(|_, deadline| *deadline > now);
+                }
+                ApproxOp::RemoveWorkerId(wi) => {
+                    let id = worker_of(*wi).worker_id;
+                    idx.remove_worker(id);
+                    model.entries.retain(|(w, _), _| w.worker_id != id);
+                }
+                ApproxOp::RemoveRank(wi) => {
+                    let worker = worker_of(*wi);
+                    idx.remove_rank(worker);
+                    model.entries.retain(|(w, _), _| *w != worker);
+                }
+            }
+            let mut all: Vec<Vec<u64>> = queries
+                .iter()
+                .map(|v| v.iter().map(|&x| u64::from(x)).collect())
+                .collect();
+            all.extend(model.entries.keys().map(|(_, p)| p.clone()));
+            for query in all {
+                prop_assert_eq!(index_scores(&idx, &query, &mut out), model.scores(&query), "query {:?} after {:?}", query, op);
+            }
+        }
+    }
 
     #[test]
     fn index_matches_model(
