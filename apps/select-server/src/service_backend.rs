@@ -388,7 +388,7 @@ impl Backend for ServiceBackend {
             self.attempt(r, SelectionCore::try_select, SelectionCore::select)
                 .await
         } else {
-            self.core().select(r).map_err(api_error)
+            self.service.core().select(r).map_err(api_error)
         };
         out.map(selection_response)
     }
