@@ -33,12 +33,7 @@ const BURST: usize = 250;
 /// A booking that has not arrived after this long is counted as lost, not waited for.
 const LOST_AFTER: Duration = Duration::from_secs(1);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
+use testkit::free_port;
 
 /// `Some((port, peer))` meshes the service with one peer; `None` is the local-only baseline.
 fn service(mesh: Option<(u16, u16)>) -> SelectionService {

@@ -144,20 +144,7 @@ fn signal(pid: u32, sig: &str) {
     assert!(status.success(), "kill -{sig} {pid}");
 }
 
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    for _ in 0..5_000 {
-        if f() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("gave up waiting for {what} after 5,000 polls");
-}
+use testkit::wait_until;
 
 /// Runs `f` and asserts it returned within [`LIVENESS`].
 fn live<T>(what: &str, f: impl FnOnce() -> T) -> T {

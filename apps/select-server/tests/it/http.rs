@@ -7,20 +7,13 @@
 )]
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// A loopback port that was free a moment ago.
-pub(crate) fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub(crate) use testkit::free_port;
 
 /// Starts the real binary on `127.0.0.1:port` with `args` and `env` (`RUST_LOG=warn`,
 /// stderr to `stderr`) and waits up to 20 s for it to listen. `None` when it exits first

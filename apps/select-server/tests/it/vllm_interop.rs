@@ -29,19 +29,6 @@ const WHEEL: &str = "https://files.pythonhosted.org/packages/8b/a8/92e278093df40
 const MEMBER: &str = "vllm/distributed/kv_events.py";
 const MEMBER_SHA256: &str = "82b362a0a7f89318d9127addfce254d537f5078a31aa87beb08493b0953895ee";
 
-fn run(cmd: &mut Command, what: &str) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// The venv's python and vLLM's module, set up once per test process (the tests of this
 /// module share it, and a second setup racing the first would corrupt the venv).
 fn fixture() -> &'static (PathBuf, PathBuf) {
@@ -51,33 +38,18 @@ fn fixture() -> &'static (PathBuf, PathBuf) {
 
 fn set_up() -> (PathBuf, PathBuf) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("select-server-vllm-0.33.0");
-    let python = dir.join("bin").join("python");
+    let python = testkit::python_venv(&dir, &["msgspec==0.23.0", "pyzmq==27.3.0"]);
     let module = dir.join("kv_events.py");
-    let ready = dir.join(".installed");
-    if !ready.exists() {
-        run(
-            Command::new("python3").args(["-m", "venv"]).arg(&dir),
-            "python3 -m venv",
-        );
-        run(
-            Command::new(&python).args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "msgspec==0.23.0",
-                "pyzmq==27.3.0",
-            ]),
-            "pip install msgspec pyzmq",
-        );
-        run(
+    let fetched = dir.join(".fetched");
+    if !fetched.exists() {
+        testkit::run(
             Command::new(&python)
                 .arg(script("vllm_fetch.py"))
                 .args([WHEEL, MEMBER, MEMBER_SHA256])
                 .arg(&module),
             "fetching vLLM's kv_events.py",
         );
-        std::fs::write(&ready, b"ok").unwrap();
+        std::fs::write(&fetched, b"ok").unwrap();
     }
     (python, module)
 }

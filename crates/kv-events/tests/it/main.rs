@@ -133,15 +133,8 @@ impl Collector {
     }
 }
 
-pub(crate) fn wait_until(mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while Instant::now() < deadline {
-        if cond() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("condition not reached within the wait bound");
+pub(crate) fn wait_until(cond: impl FnMut() -> bool) {
+    testkit::wait_until("the condition", WAIT, cond);
 }
 
 fn hashes_of(op: &KvOperation) -> Vec<u64> {

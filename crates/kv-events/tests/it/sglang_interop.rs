@@ -15,57 +15,35 @@ use crate::Collector;
 
 const SGLANG: &str = "sglang==0.5.23";
 
-fn run(cmd: &mut Command, what: &str) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The venv with SGLang's wheel unpacked (no deps) plus the publisher's light deps.
+/// The venv with SGLang's wheel unpacked (no deps) plus the publisher's light deps, pinned
+/// like the engine itself so a new release of a dependency cannot turn this guard red (or
+/// green) on its own.
 fn venv() -> (PathBuf, PathBuf) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-events-sglang-venv");
-    let python = dir.join("bin").join("python");
+    let python = testkit::python_venv(
+        &dir,
+        &[
+            "msgspec==0.23.0",
+            "pyzmq==27.3.0",
+            "pydantic==2.14.4",
+            "psutil==7.2.2",
+        ],
+    );
     let ready = dir.join(".installed-sglang-0.5.23");
     if !ready.exists() {
-        run(
-            Command::new("python3").args(["-m", "venv"]).arg(&dir),
-            "python3 -m venv",
-        );
-        // Pinned like the engine itself, so a new release of a dependency cannot turn
-        // this guard red (or green) on its own.
-        run(
-            Command::new(&python).args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "msgspec==0.23.0",
-                "pyzmq==27.3.0",
-                "pydantic==2.14.4",
-                "psutil==7.2.2",
-            ]),
-            "pip install msgspec pyzmq pydantic psutil",
-        );
-        run(
+        testkit::run(
             Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps", SGLANG]),
             "pip install --no-deps sglang==0.5.23",
         );
         std::fs::write(&ready, b"ok").expect("marker file");
     }
-    let out = Command::new(&python)
-        .args([
+    let out = testkit::run(
+        Command::new(&python).args([
             "-c",
             "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-        ])
-        .output()
-        .expect("venv python runs");
+        ]),
+        "venv python",
+    );
     let site = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     assert!(
         site.join("sglang/srt/disaggregation/kv_events.py").exists(),
@@ -73,13 +51,6 @@ fn venv() -> (PathBuf, PathBuf) {
         site.display()
     );
     (python, site)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }
 
 /// Kills the publisher if the test panics before closing its stdin.
@@ -96,7 +67,7 @@ impl Drop for Publisher {
 #[test]
 fn sglang_real_publisher_is_decoded_exactly() {
     let (python, site) = venv();
-    let (pub_port, replay_port) = (free_port(), free_port());
+    let (pub_port, replay_port) = (testkit::free_port(), testkit::free_port());
     let (sink, rx) = Collector::new();
     let config = ListenerConfig::new(
         WorkerKey::new(7, 0),

@@ -5,9 +5,10 @@ use std::time::Instant;
 
 use replica_sync::{MeshConfig, ReplicaEvent, ReplicaKey, SequenceEventKind};
 
+use testkit::poll_until;
+
 use super::{
-    WAIT, admission, config, endpoint, free_port, request_id, sequence_event, start, wait_until,
-    warm_up,
+    WAIT, admission, config, endpoint, free_port, request_id, sequence_event, start, warm_up,
 };
 
 fn key(byte: u8) -> ReplicaKey {
@@ -61,7 +62,7 @@ fn messages_without_the_key_are_dropped_and_counted() {
     // counter alone cannot tell them apart, so run them one after the other.
     for sender in [&wrong, &none] {
         let before = recv.stats().snapshot().dropped_unauthenticated;
-        let counted = wait_until(WAIT, || {
+        let counted = poll_until(WAIT, || {
             sender.publish(&admission("forged"));
             recv.stats().snapshot().dropped_unauthenticated > before
         });
@@ -79,7 +80,7 @@ fn a_receiver_without_the_key_drops_authenticated_messages_as_malformed() {
     let (pa, pb) = (free_port(), free_port());
     let (a, _) = start(keyed(pa, &[], Some(key(1))));
     let (b, sink_b) = start(keyed(pb, &[endpoint(pa)], None));
-    let counted = wait_until(WAIT, || {
+    let counted = poll_until(WAIT, || {
         a.publish(&admission("x"));
         b.stats().snapshot().dropped_frame_count > 0
     });
@@ -116,11 +117,11 @@ fn a_replayed_message_is_dropped() {
     raw.bind(&endpoint(p_raw)).unwrap();
     let (b, sink_b) = start(keyed(pb, &[endpoint(p_raw)], Some(key(1))));
     let send = || raw.send_multipart(recorded.iter(), 0).unwrap();
-    assert!(wait_until(WAIT, || {
+    assert!(poll_until(WAIT, || {
         send();
         !sink_b.all().is_empty()
     }));
-    assert!(wait_until(WAIT, || {
+    assert!(poll_until(WAIT, || {
         send();
         b.stats().snapshot().dropped_unauthenticated > 0
     }));
@@ -133,7 +134,7 @@ fn a_replayed_message_is_dropped() {
     let last = forged[1].len() - 1;
     forged[1][last] ^= 1;
     let before = b.stats().snapshot().dropped_unauthenticated;
-    assert!(wait_until(WAIT, || {
+    assert!(poll_until(WAIT, || {
         raw.send_multipart(forged.iter(), 0).unwrap();
         b.stats().snapshot().dropped_unauthenticated > before
     }));

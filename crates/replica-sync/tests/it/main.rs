@@ -6,7 +6,6 @@
     reason = "test fixtures panic on setup failure, which fails the test"
 )]
 
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +15,7 @@ use replica_sync::{
     Admission, MeshConfig, MeshError, PeerError, PrefillLoadHint, PublishOutcome, ReplicaEvent,
     ReplicaMesh, ReplicaSink, RouterId, SequenceEvent, SequenceEventKind, SessionBinding,
 };
+use testkit::{free_port, poll_until};
 
 mod auth;
 
@@ -56,11 +56,6 @@ impl Collect {
     fn all(&self) -> Vec<ReplicaEvent> {
         self.events.lock().clone()
     }
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
 }
 
 fn endpoint(port: u16) -> String {
@@ -135,19 +130,6 @@ fn warm_up(from: &ReplicaMesh, to: &Collect) {
     panic!("no probe crossed the mesh within {WAIT:?}");
 }
 
-fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn admission_crosses_the_mesh_and_own_events_are_ignored() {
     let (pa, pb) = (free_port(), free_port());
@@ -183,7 +165,7 @@ fn admission_crosses_the_mesh_and_own_events_are_ignored() {
     assert_eq!(got.origin(), b.router_id());
 
     // Self-subscription: A's own messages come back to it and are dropped.
-    let seen_own = wait_until(WAIT, || {
+    let seen_own = poll_until(WAIT, || {
         a.publish(&sequence_event("own", SequenceEventKind::Free));
         a.stats().snapshot().ignored_own > 0
     });
@@ -266,7 +248,7 @@ fn peers_can_be_registered_and_deregistered() {
 
 #[test]
 fn start_errors_are_typed_and_clear() {
-    let held = TcpListener::bind("127.0.0.1:0").unwrap();
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = held.local_addr().unwrap().port();
     let err = ReplicaMesh::start(config(port, &[]), Arc::new(Collect::default())).unwrap_err();
     assert!(matches!(err, MeshError::Bind { .. }), "{err:?}");
@@ -366,7 +348,7 @@ fn malformed_messages_are_counted_and_skipped() {
     let (b, sink_b) = start(config(pb, &[endpoint(raw_port)]));
 
     let send = |frames: &[&[u8]]| raw.send_multipart(frames.iter().copied(), 0).unwrap();
-    let all_counted = wait_until(WAIT, || {
+    let all_counted = poll_until(WAIT, || {
         send(&[b"dynamo.slot-tracker.v1", b"\xc1garbage"]);
         send(&[b"dynamo.slot-tracker.v1"]);
         send(&[b"dynamo.slot-tracker.v1", b"\x80", b"extra"]);
@@ -385,7 +367,7 @@ fn malformed_messages_are_counted_and_skipped() {
         s.router_id = RouterId(99);
     }
     replica_sync::encode(&event, &mut payload).unwrap();
-    let delivered = wait_until(WAIT, || {
+    let delivered = poll_until(WAIT, || {
         send(&[b"dynamo.slot-tracker.v1", &payload]);
         !sink_b.all().is_empty()
     });

@@ -20,6 +20,7 @@ use service_builder::{
     CoreConfig, ErrorKind, Lifecycle, PartitionKey, PromptInput, PromptQuery, ReservationRequest,
     SelectRequest, SelectionCore, WorkerPatch, WorkerRequest,
 };
+use testkit::free_port;
 
 const BLOCK: u32 = 4;
 
@@ -522,14 +523,6 @@ fn encode_stored_batch(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> V
     b
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A PUB socket bound on a free loopback port, and its endpoint (the context must outlive
 /// the socket, so it is returned too).
 fn bound_publisher() -> (zmq::Context, zmq::Socket, String) {
@@ -1020,12 +1013,8 @@ fn start_replica(port: u16, peer: u16) -> service_builder::SelectionService {
         .unwrap()
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn wait_until(what: &str, f: impl FnMut() -> bool) {
+    testkit::wait_until(what, Duration::from_secs(10), f);
 }
 
 #[test]
