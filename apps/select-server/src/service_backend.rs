@@ -1,9 +1,8 @@
 //! [`Backend`] over the in-process [`SelectionService`]: DTO <-> service-type conversions
 //! and the error mapping. Operations that may block (catalog changes join listener
 //! threads) run on the blocking pool so the async workers never stall. Selections and
-//! bookings, which wait only in the admission queue or behind a concurrent session
-//! initialization, are first tried inline without waiting and moved to the blocking pool
-//! only when the core hands them back (`Attempt::WouldWait`).
+//! bookings go through the service's async methods, which run them inline and move to the
+//! blocking pool only those that would wait (admission queue, a session being initialized).
 
 use std::sync::Arc;
 
@@ -11,7 +10,7 @@ use http::StatusCode;
 use prometheus_client::registry::Registry;
 use selection_policy::{AffinityTarget as PolicyAffinity, SessionContext as PolicySession};
 use service_builder::{
-    Attempt, Lifecycle as SvcLifecycle, PartitionKey, PromptInput, PromptQuery, SelectionCore,
+    Lifecycle as SvcLifecycle, PartitionKey, PromptInput, PromptQuery, SelectionCore,
     SelectionError, SelectionService, WorkerCatalogRecord,
 };
 
@@ -29,21 +28,13 @@ pub struct ServiceBackend {
     service: Arc<SelectionService>,
     /// Every `/metrics` series: the service's counters and its scrape-time collector.
     registry: Registry,
-    /// Whether a non-advisory `/select` may wait in the admission queue (a busy threshold
-    /// is configured), so it is first tried without waiting.
-    select_may_wait: bool,
 }
 
 impl ServiceBackend {
     pub fn new(service: Arc<SelectionService>) -> Self {
-        let select_may_wait = service.core().queueing_enabled();
         let mut registry = Registry::default();
         service.register_metrics(&mut registry);
-        Self {
-            service,
-            registry,
-            select_may_wait,
-        }
+        Self { service, registry }
     }
 
     pub fn service(&self) -> &Arc<SelectionService> {
@@ -63,24 +54,6 @@ impl ServiceBackend {
         match tokio::task::spawn_blocking(move || f(&core)).await {
             Ok(r) => r.map_err(api_error),
             Err(e) => Err(ApiError::internal(format!("service task failed: {e}"))),
-        }
-    }
-
-    /// Runs `attempt` inline on the async worker; only when it reports that it would wait
-    /// (in the admission queue, or behind a session's concurrent first booking) does the
-    /// request move to the blocking pool, for `fallback`. An operation that does not wait
-    /// takes only brief parking_lot sections, tens of microseconds, less than the two thread
-    /// hand-offs of `spawn_blocking`, which were the largest cost in the profile of
-    /// `/select` (docs/hot-path.md).
-    async fn attempt<T: Send + 'static, R: Send + 'static>(
-        &self,
-        req: R,
-        attempt: impl FnOnce(&SelectionCore, R) -> Attempt<T, R>,
-        fallback: impl FnOnce(&SelectionCore, R) -> Result<T, SelectionError> + Send + 'static,
-    ) -> ApiResult<T> {
-        match attempt(self.service.core(), req) {
-            Attempt::Done(r) => r.map_err(api_error),
-            Attempt::WouldWait(req) => self.blocking(move |c| fallback(c, req)).await,
         }
     }
 }
@@ -382,15 +355,12 @@ impl Backend for ServiceBackend {
     }
 
     async fn select(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
-        let may_wait = self.select_may_wait && !req.advisory;
         let r = select_request(req.prompt, req.options, req.advisory)?;
-        let out = if may_wait {
-            self.attempt(r, SelectionCore::try_select, SelectionCore::select)
-                .await
-        } else {
-            self.service.core().select(r).map_err(api_error)
-        };
-        out.map(selection_response)
+        self.service
+            .select(r)
+            .await
+            .map(selection_response)
+            .map_err(api_error)
     }
 
     async fn select_and_reserve(
@@ -398,13 +368,11 @@ impl Backend for ServiceBackend {
         req: SelectAndReserveRequest,
     ) -> ApiResult<SelectionResponse> {
         let r = select_request(req.prompt, req.options, false)?;
-        self.attempt(
-            r,
-            SelectionCore::try_select_and_reserve,
-            SelectionCore::select_and_reserve,
-        )
-        .await
-        .map(selection_response)
+        self.service
+            .select_and_reserve(r)
+            .await
+            .map(selection_response)
+            .map_err(api_error)
     }
 
     async fn create_reservation(&self, req: ReservationRequest) -> ApiResult<ReservationResponse> {
@@ -419,14 +387,11 @@ impl Backend for ServiceBackend {
             effective_prefill_tokens: req.effective_prefill_tokens,
             track_prefill_tokens: req.track_prefill_tokens,
         };
-        // Only a session's first booking can make a reservation wait.
         let out = self
-            .attempt(
-                r,
-                SelectionCore::try_create_reservation,
-                SelectionCore::create_reservation,
-            )
-            .await?;
+            .service
+            .create_reservation(r)
+            .await
+            .map_err(api_error)?;
         Ok(ReservationResponse {
             selection_id: out.selection_id,
             model_name: out.model_name,

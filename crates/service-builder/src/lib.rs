@@ -7,6 +7,13 @@
 //! and embedding. Every operation mirrors an HTTP route of `spec/http-api.md` and fails
 //! with a [`SelectionError`] carrying the route's status code and message.
 //!
+//! Three operations can wait: a selection or booking in a full admission queue, and a
+//! booking behind a concurrent first booking of its session. The core's plain methods
+//! block then; `try_*` variants hand the request back instead ([`Attempt::WouldWait`],
+//! nothing changed). Async callers use [`SelectionService::select`],
+//! [`SelectionService::select_and_reserve`] and [`SelectionService::create_reservation`],
+//! which run inline and move to tokio's blocking pool only what would wait.
+//!
 //! # Invariants
 //! - Worker ids are service-wide; a partition `(model_name, routing_group)` is created by
 //!   its first complete worker and never removed. Its block size and Eagle flag are fixed

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::core::{CoreConfig, PolicyFactory, SelectionCore};
-use crate::error::BuildError;
+use crate::core::{Attempt, CoreConfig, PolicyFactory, SelectionCore};
+use crate::error::{BuildError, SelectionError};
 use crate::pending::SelectionCacheConfig;
+use crate::request::{ReservationRequest, ReservationResponse, SelectRequest, SelectResponse};
 
 /// Largest accepted session-affinity TTL (one year).
 pub const MAX_SESSION_AFFINITY_TTL: Duration = Duration::from_secs(31_536_000);
@@ -187,6 +188,64 @@ impl SelectionService {
     /// The shared core: every operation of the service.
     pub fn core(&self) -> &Arc<SelectionCore> {
         &self.core
+    }
+
+    /// [`SelectionCore::select`] for async callers: it runs on the calling task, and only a
+    /// request that would wait in the admission queue moves to tokio's blocking pool. The
+    /// core's plain methods block while a request waits (up to minutes in a full queue), so
+    /// async code calls these instead.
+    pub async fn select(&self, req: SelectRequest) -> Result<SelectResponse, SelectionError> {
+        self.attempt(req, SelectionCore::try_select, SelectionCore::select)
+            .await
+    }
+
+    /// [`SelectionCore::select_and_reserve`] for async callers, as [`Self::select`] (it can
+    /// also wait behind a concurrent first booking of its session).
+    pub async fn select_and_reserve(
+        &self,
+        req: SelectRequest,
+    ) -> Result<SelectResponse, SelectionError> {
+        self.attempt(
+            req,
+            SelectionCore::try_select_and_reserve,
+            SelectionCore::select_and_reserve,
+        )
+        .await
+    }
+
+    /// [`SelectionCore::create_reservation`] for async callers, as [`Self::select`].
+    pub async fn create_reservation(
+        &self,
+        req: ReservationRequest,
+    ) -> Result<ReservationResponse, SelectionError> {
+        self.attempt(
+            req,
+            SelectionCore::try_create_reservation,
+            SelectionCore::create_reservation,
+        )
+        .await
+    }
+
+    /// Runs `attempt` here; what it hands back runs `wait` on the blocking pool.
+    async fn attempt<T: Send + 'static, R: Send + 'static>(
+        &self,
+        req: R,
+        attempt: impl FnOnce(&SelectionCore, R) -> Attempt<T, R>,
+        wait: fn(&SelectionCore, R) -> Result<T, SelectionError>,
+    ) -> Result<T, SelectionError> {
+        match attempt(&self.core, req) {
+            Attempt::Done(result) => result,
+            Attempt::WouldWait(req) => {
+                let core = Arc::clone(&self.core);
+                tokio::task::spawn_blocking(move || wait(&core, req))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(SelectionError::internal(format!(
+                            "selection task failed: {e}"
+                        )))
+                    })
+            }
+        }
     }
 
     /// Registers the service's `kv_select_*` series into `registry`

@@ -1349,6 +1349,67 @@ fn a_request_that_would_queue_comes_back_untouched_and_nothing_is_queued() {
     assert_eq!(c.metrics().admission_waits(), 1);
 }
 
+/// `SelectionService`'s async methods never block the runtime: on a single-threaded
+/// runtime, a booking that must wait in the admission queue waits on the blocking pool,
+/// while the runtime's other task frees the capacity it is waiting for.
+#[test]
+fn async_bookings_wait_off_the_runtime() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        runtime.block_on(async {
+            let mut config = approx_config();
+            config.router.router_queue_threshold = Some(0.5);
+            let service = Arc::new(
+                service_builder::SelectionServiceBuilder::new(config)
+                    .build()
+                    .unwrap(),
+            );
+            let core = Arc::clone(service.core());
+            core.upsert_worker(WorkerRequest {
+                max_num_batched_tokens: Some(100),
+                ..worker(1)
+            })
+            .unwrap();
+            // Inline: nothing waits yet.
+            service
+                .select_and_reserve(SelectRequest {
+                    selection_id: Some("a".into()),
+                    ..select(tokens(80))
+                })
+                .await
+                .unwrap();
+            let waiter = {
+                let service = Arc::clone(&service);
+                tokio::spawn(async move {
+                    service
+                        .select_and_reserve(SelectRequest {
+                            selection_id: Some("b".into()),
+                            ..select(tokens(8))
+                        })
+                        .await
+                })
+            };
+            // This task runs only if the waiter does not hold the runtime's one thread.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while core.loads(None, None)[0].pending_count == 0 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            core.prefill_complete("a").unwrap();
+            let booked = waiter.await.unwrap().unwrap();
+            service.shutdown().await;
+            done.send(booked.selection_id).unwrap();
+        });
+    });
+    let booked = finished
+        .recv_timeout(Duration::from_secs(20))
+        .expect("a waiting booking held the runtime");
+    assert_eq!(booked.as_deref(), Some("b"));
+}
+
 /// Threads book the way the HTTP edge does (an inline attempt; the blocking call only for
 /// what comes back) over sessions shared between threads, while a separate thread frees
 /// each booking a little later, so the admission queue fills and drains: every request
