@@ -128,7 +128,7 @@ pub(crate) struct Partition {
     /// When the booking path may next run the ledger's expiry scan.
     next_expiry_check: Mutex<Instant>,
     /// The admission queue, when a busy threshold enables queueing.
-    queue: Option<PartitionQueue>,
+    pub(crate) queue: Option<PartitionQueue>,
 }
 
 /// How often the booking path re-runs the expiry scan (the periodic task runs regardless).

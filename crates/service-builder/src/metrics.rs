@@ -469,6 +469,8 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         counters: kv_index::ApplyCounters,
         blocks: usize,
         memberships: [usize; StorageTier::ALL.len()],
+        /// `(requests, ISL tokens)` waiting, when the partition has an admission queue.
+        queued: Option<(u64, u64)>,
     }
     // Copy everything out first: each index lock is held only for the reads.
     let snapshot: Vec<Row> = core
@@ -487,6 +489,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 counters: index.counters(),
                 blocks: stats.nodes,
                 memberships,
+                queued: p.queue.as_ref().map(|q| q.pending()),
             }
         })
         .collect();
@@ -531,6 +534,24 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 .zip(r.memberships)
                 .map(move |(tier, n)| ((part(r), [("tier", tier.as_str())]), n as u64))
         }),
+    )?;
+    rows(
+        enc,
+        "admission_pending",
+        "Requests waiting in the partition's admission queue (partitions with a queue only).",
+        MetricType::Gauge,
+        snapshot
+            .iter()
+            .filter_map(|r| r.queued.map(|(n, _)| (part(r), n))),
+    )?;
+    rows(
+        enc,
+        "admission_pending_isl_tokens",
+        "Sum of the ISLs of the requests waiting in the partition's admission queue.",
+        MetricType::Gauge,
+        snapshot
+            .iter()
+            .filter_map(|r| r.queued.map(|(_, tokens)| (part(r), tokens))),
     )
 }
 

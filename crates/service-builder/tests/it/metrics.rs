@@ -205,3 +205,52 @@ fn the_registry_does_not_keep_the_core_alive() {
     assert!(text.contains("kv_select_selections_total 0"), "{text}");
     assert!(!text.contains("kv_select_active_reservations"), "{text}");
 }
+
+#[test]
+fn admission_queue_depth_and_waits_are_exported_per_partition() {
+    let mut config = super::approx_config();
+    config.router.router_queue_threshold = Some(0.5);
+    let c = core(config);
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    c.upsert_worker(WorkerRequest {
+        max_num_batched_tokens: Some(100),
+        ..worker(1)
+    })
+    .unwrap();
+    let pending = |text: &str, n: u64, tokens: u64| {
+        has(
+            text,
+            &format!(
+                r#"kv_select_admission_pending{{model_name="default",routing_group="default"}} {n}"#
+            ),
+        );
+        has(
+            text,
+            &format!(
+                r#"kv_select_admission_pending_isl_tokens{{model_name="default",routing_group="default"}} {tokens}"#
+            ),
+        );
+    };
+    pending(&encode(&registry), 0, 0);
+    // 80 prefill tokens > 0.5 × 100: the next booking queues.
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("a".into()),
+        ..select(tokens(80))
+    })
+    .unwrap();
+    let waiter = {
+        let c = std::sync::Arc::clone(&c);
+        std::thread::spawn(move || c.select_and_reserve(select(tokens(8))))
+    };
+    testkit::wait_until("the booking to queue", Duration::from_secs(10), || {
+        c.loads(None, None)[0].pending_count == 1
+    });
+    pending(&encode(&registry), 1, 8);
+    c.prefill_complete("a").unwrap();
+    waiter.join().unwrap().unwrap();
+    let text = encode(&registry);
+    pending(&text, 0, 0);
+    has(&text, "kv_select_admission_waits_total 1");
+    has(&text, "kv_select_admission_wait_duration_seconds_count 1");
+}
