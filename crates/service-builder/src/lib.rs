@@ -14,6 +14,65 @@
 //! [`SelectionService::select_and_reserve`] and [`SelectionService::create_reservation`],
 //! which run inline and move to tokio's blocking pool only what would wait.
 //!
+//! # Embedding
+//! A router that links the service instead of calling select-server over HTTP
+//! (docs/embedding.md has the longer tour, custom policies included):
+//!
+//! ```
+//! use selection_policy::RouterConfig;
+//! use service_builder::{
+//!     CoreConfig, PromptInput, SelectRequest, SelectionServiceBuilder, WorkerRequest,
+//! };
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Approximate mode: the service learns from its own bookings, no engine events needed.
+//! let config = CoreConfig {
+//!     router: RouterConfig {
+//!         use_kv_events: false,
+//!         ..RouterConfig::default()
+//!     },
+//!     ..CoreConfig::default()
+//! };
+//! let service = SelectionServiceBuilder::new(config).build()?;
+//! let mut registry = prometheus_client::registry::Registry::default();
+//! service.register_metrics(&mut registry);
+//! for id in [7, 8] {
+//!     service.core().upsert_worker(WorkerRequest {
+//!         endpoint: Some(format!("http://10.0.0.{id}:8000")),
+//!         block_size: Some(16),
+//!         ..WorkerRequest::new(id)
+//!     })?;
+//! }
+//! let prompt = PromptInput {
+//!     token_ids: Some((0..64).collect()),
+//!     ..PromptInput::default()
+//! };
+//! // Choose a worker and charge it, in one step.
+//! let booked = service
+//!     .select_and_reserve(SelectRequest {
+//!         prompt: prompt.clone(),
+//!         ..SelectRequest::default()
+//!     })
+//!     .await?;
+//! let id = booked.selection_id.clone().unwrap_or_default();
+//! // ... forward the request to `booked.endpoint`, then report its progress:
+//! service.core().prefill_complete(&id)?;
+//! service.core().free_reservation(&id)?;
+//! // The recorded blocks steer the same prompt back to the same worker.
+//! let again = service
+//!     .select(SelectRequest {
+//!         prompt,
+//!         ..SelectRequest::default()
+//!     })
+//!     .await?;
+//! assert_eq!(again.worker_id, booked.worker_id);
+//! assert_eq!(again.overlap.gpu, 64);
+//! service.shutdown().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Invariants
 //! - Worker ids are service-wide; a partition `(model_name, routing_group)` is created by
 //!   its first complete worker and never removed. Its block size and Eagle flag are fixed
