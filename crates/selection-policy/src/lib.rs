@@ -56,11 +56,14 @@
 //!   get `1/B` from the exponent bits and `ceil(isl/B)` from a shift: the division latency
 //!   was on the path from the rows to the result.
 //! - Bench (`cargo bench -p benches --bench select_default -- --warm-up-time 1
-//!   --measurement-time 3`) on the shared 2-core machine, per candidate, medians of three
-//!   runs: t = 0: 25 ns (2 rows), 9.5 (32), 9.5 (128), 8.7 (1,024), 7.5 (10,000);
-//!   t = 0.7: 27 (2), 17 (32), 15 (128), 16 (1,024), 16 (10,000); target 30 ns. The
-//!   two-row selection was 64 ns (t = 0) and 96 ns (t = 0.7) before the two points above;
-//!   callgrind: 576 → 512 and 777 → 504 instructions.
+//!   --measurement-time 3`) on the shared 2-core machine, per candidate. Its speed swings
+//!   by about ±25 % between hours, so these are ranges of run medians:
+//!   - t = 0: 22–34 ns at 2 rows (median 26 over 16 runs), 8–14 ns at 32 to 10,000;
+//!   - t = 0.7: 23–37 ns at 2 rows (median 29), 15–20 ns at 32 to 10,000;
+//!   - the target is 30 ns, so the two-row case is at it, not safely under it.
+//!
+//!   Before the two points above, the two-row selection took 64 ns (t = 0) and 96 ns
+//!   (t = 0.7). Callgrind: 576 → 512 and 777 → 504 instructions.
 
 mod candidate;
 mod classes;

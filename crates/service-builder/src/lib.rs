@@ -118,15 +118,21 @@
 //!   last of ten 120-worker models a 256-token `select` took 14.6 µs, now 4.4 µs
 //!   (`select/10_partitions_of_120`).
 //! - Cost (`cargo bench -p benches --bench service`, default event-driven config, block size
-//!   16, 2-core VM, criterion medians): select_and_reserve + free takes 3.1 / 5.9 µs with 8
-//!   workers (256 / 4,096-token prompts), 7.6 / 11.4 µs with 128 and 22 / 25 µs with 512;
-//!   select alone over 128 workers and 4,096 tokens 9.8 µs (before the ledger slots and the
-//!   fixed-size hashing: 3.4 / 6.6, 11.2 / 15.5, 37 / 45 and 12.5 µs). Hashing a
-//!   4,096-token prompt (block hashes and the public chain in one pass) ≈ 2.2 µs and the
-//!   index walk ≈ 1.2–1.5 µs are fixed; per candidate rank the table and the policy cost
-//!   ≈ 35–45 ns (was ≈ 65). The 5 µs for 4,096 tokens over 128 workers is not
-//!   reached: hashing alone is bound by its seven multiplies per block (five of them
-//!   64×64→128-bit).
+//!   16, 2-core VM, criterion medians, 2026-11-30), select_and_reserve + free:
+//!   - 8 workers: 1.95 / 4.3 µs (256 / 4,096-token prompts);
+//!   - 64 workers: 3.9 / 7.1 µs;
+//!   - 128 workers: 6.4 / 9.0 µs;
+//!   - 512 workers: 17.0 / 20.8 µs.
+//!
+//!   An earlier session measured 3.1 / 5.9, 7.6 / 11.4 and 22 / 25 µs (8, 128, 512
+//!   workers), and before the ledger slots and the fixed-size hashing 3.4 / 6.6,
+//!   11.2 / 15.5 and 37 / 45 µs. The machine's speed varies between sessions, so compare
+//!   these loosely.
+//!   Hashing a 4,096-token prompt (block hashes and the public chain in one pass) is
+//!   ≈ 2.2 µs, and the index walk ≈ 1.2–1.5 µs. At 128 workers and 4,096 tokens callgrind
+//!   counts 69.7 k instructions: 18.3 k hashing, 10.6 k the index walk, 12 k the policy,
+//!   ≈ 15 k the candidate rows. The 5 µs is not reached: it would need every
+//!   per-candidate part about three times smaller, another structure rather than tuning.
 //! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
 //!   extended by host_pinned continuations, and sources whose prefix runs past it are not
 //!   eligible. Policy files are parsed by the app; the core takes the resulting
