@@ -58,8 +58,8 @@
 //! - Bench (`cargo bench -p benches --bench select_default -- --warm-up-time 1
 //!   --measurement-time 3`) on the shared 2-core machine, per candidate. Its speed swings
 //!   by about ±25 % between hours, so these are ranges of run medians:
-//!   - t = 0: 22–34 ns at 2 rows (median 26 over 16 runs), 8–14 ns at 32 to 10,000;
-//!   - t = 0.7: 23–37 ns at 2 rows (median 29), 15–20 ns at 32 to 10,000;
+//!   - t = 0: 19–34 ns at 2 rows (median 27 over 21 runs), 7–14 ns at 32 to 10,000;
+//!   - t = 0.7: 23–37 ns at 2 rows (median 29), 15–21 ns at 32 to 10,000;
 //!   - the target is 30 ns, so the two-row case is at it, not safely under it.
 //!
 //!   Before the two points above, the two-row selection took 64 ns (t = 0) and 96 ns
