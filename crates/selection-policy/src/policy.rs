@@ -288,21 +288,14 @@ impl Policy {
             costs.clear();
             costs.resize(n, 0.0);
         }
-        let row = match &self.parts {
-            Parts::Builtin(scorer, picker) => {
+        match &self.parts {
+            Parts::Builtin(scorer, _) => {
                 // The default scorer writes every row, so no NaN pre-fill is needed to catch
                 // an unwritten one.
                 scorer.score(ctx, rows, costs)?;
                 check_finite(0, costs)?;
-                if ctx.pinned.is_some() {
-                    0
-                } else {
-                    picker.pick(ctx, rows, costs, rng)?
-                }
             }
-            Parts::Composed {
-                scorers, picker, ..
-            } => {
+            Parts::Composed { scorers, .. } => {
                 costs.fill(if scorers.is_empty() { 0.0 } else { f64::NAN });
                 for (s, scorer) in scorers.iter().enumerate() {
                     if s == 0 {
@@ -320,12 +313,12 @@ impl Policy {
                         check_finite(s, costs)?;
                     }
                 }
-                if ctx.pinned.is_some() {
-                    0
-                } else {
-                    picker.pick(ctx, rows, costs, rng)?
-                }
             }
+        }
+        let row = match &self.parts {
+            _ if ctx.pinned.is_some() => 0,
+            Parts::Builtin(_, picker) => picker.pick(ctx, rows, costs, rng)?,
+            Parts::Composed { picker, .. } => picker.pick(ctx, rows, costs, rng)?,
         };
         let (Some(chosen), Some(&cost)) = (rows.get(row), costs.get(row)) else {
             return Err(PolicyError::RowOutOfRange { row, len: n });

@@ -792,10 +792,8 @@ impl SelectionCore {
         wait: bool,
     ) -> Attempt<SelectResponse, SelectRequest> {
         let started = Instant::now();
-        let result = match self.run_select_inner(&mut req, book, wait) {
-            Ok(r) => Ok(r),
-            Err(Stop::Failed(e)) => Err(e),
-            Err(Stop::WouldWait) => return Attempt::WouldWait(req),
+        let Some(result) = settled(self.run_select_inner(&mut req, book, wait)) else {
+            return Attempt::WouldWait(req);
         };
         self.metrics.selection_latency.observe(started.elapsed());
         match &result {
@@ -842,11 +840,13 @@ impl SelectionCore {
             let now = Instant::now();
             if book {
                 let Some(held) = self.hold_session(&partition, table, sid, now, wait) else {
-                    // Give everything back: the claim's row goes with the claim.
+                    // The claim's row goes with the claim.
                     drop(claim);
-                    if caller_id {
-                        req.selection_id = selection_id;
-                    }
+                    give_back(
+                        req,
+                        caller_id.then_some(selection_id).flatten(),
+                        given_affinity,
+                    );
                     return Err(Stop::WouldWait);
                 };
                 session = held;
@@ -863,18 +863,18 @@ impl SelectionCore {
         let admission = if req.advisory {
             Ok(Admission::default())
         } else {
-            match self.admit(&partition, req, &mut scratch, wait) {
-                Ok(a) => Ok(a),
-                Err(Stop::Failed(e)) => Err(e),
-                Err(Stop::WouldWait) => {
+            match settled(self.admit(&partition, req, &mut scratch, wait)) {
+                Some(admission) => admission,
+                None => {
                     partition.scratch.lock().push(scratch);
                     // The session hold and the claim's row are released with their guards.
                     drop(session);
                     drop(claim);
-                    req.affinity_target = given_affinity;
-                    if caller_id {
-                        req.selection_id = selection_id;
-                    }
+                    give_back(
+                        req,
+                        caller_id.then_some(selection_id).flatten(),
+                        given_affinity,
+                    );
                     return Err(Stop::WouldWait);
                 }
             }
@@ -1659,10 +1659,8 @@ impl SelectionCore {
         req: ReservationRequest,
         wait: bool,
     ) -> Attempt<ReservationResponse, ReservationRequest> {
-        let result = match self.create_reservation_inner(&req, wait) {
-            Ok(r) => Ok(r),
-            Err(Stop::Failed(e)) => Err(e),
-            Err(Stop::WouldWait) => return Attempt::WouldWait(req),
+        let Some(result) = settled(self.create_reservation_inner(&req, wait)) else {
+            return Attempt::WouldWait(req);
         };
         if let Err(e) = &result {
             self.metrics
@@ -2298,6 +2296,27 @@ impl From<SelectionError> for Stop {
     fn from(e: SelectionError) -> Self {
         Self::Failed(e)
     }
+}
+
+/// The outcome of a step that ran, or `None` when it stopped to avoid waiting.
+fn settled<T>(r: Result<T, Stop>) -> Option<Result<T, SelectionError>> {
+    match r {
+        Ok(v) => Some(Ok(v)),
+        Err(Stop::Failed(e)) => Some(Err(e)),
+        Err(Stop::WouldWait) => None,
+    }
+}
+
+/// Restores what a selection took from `req` before it stopped to avoid waiting: the
+/// caller's selection id (a generated one is dropped) and the affinity target the session
+/// code may have set.
+fn give_back(
+    req: &mut SelectRequest,
+    caller_id: Option<String>,
+    affinity: Option<selection_policy::AffinityTarget>,
+) {
+    req.selection_id = caller_id;
+    req.affinity_target = affinity;
 }
 
 struct SessionGuard<'p> {
