@@ -96,6 +96,36 @@ pub struct Candidate {
     pub preferred_taint_multiplier: f64,
 }
 
+/// A candidate table read row by row, for callers that can produce a row on demand more
+/// cheaply than they can store one.
+///
+/// [`Policy::select_rows`](crate::Policy::select_rows) scores such a table without
+/// materializing it when the policy is the built-in one (each row is built in registers and
+/// consumed at once) and otherwise collects it into a slice first. `row` must be cheap and
+/// return the same candidate for the same index during one selection.
+pub trait CandidateRows {
+    /// Number of rows.
+    fn len(&self) -> usize;
+
+    /// Whether the table has no row.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Row `i` (`i < len()`).
+    fn row(&self, i: usize) -> Candidate;
+}
+
+impl CandidateRows for [Candidate] {
+    fn len(&self) -> usize {
+        <[Candidate]>::len(self)
+    }
+
+    fn row(&self, i: usize) -> Candidate {
+        self[i]
+    }
+}
+
 impl Candidate {
     /// A candidate with no overlap, no load projection, unknown capacities and no taint bias.
     pub fn new(worker: WorkerKey) -> Self {

@@ -1,7 +1,7 @@
 //! The built-in policy: the cost function of `scheduling.md` §4.1–4.4 and the temperature
 //! picker of §4.5.
 
-use crate::candidate::{Candidate, PoolLabel, SelectionContext, cached_tokens};
+use crate::candidate::{Candidate, CandidateRows, PoolLabel, SelectionContext, cached_tokens};
 use crate::config::RouterConfig;
 use crate::exp::exp;
 use crate::policy::{Picker, PolicyError, Scorer};
@@ -46,24 +46,17 @@ impl Scorer for DefaultScorer {
         costs: &mut [f64],
     ) -> Result<(), PolicyError> {
         let k = self.knobs(ctx);
-        if k.track && !k.decay_on && !k.decode_exception {
-            let tracked = Tracked {
-                credit: k.credit,
-                scale: k.scale,
-                shared_mult: k.shared_mult,
-                has_tier_data: ctx.has_tier_data,
-                apply_taint: k.apply_taint,
-                isl: ctx.isl,
-                cached_above: cached_above(ctx.isl),
-                block_size: ctx.block_size,
-                block: k.block,
-                inv_block: pow2_reciprocal(ctx.block_size),
-            };
+        if k.common() {
+            let tracked = self.tracked(ctx, &k);
             // Dividing by a power of two and multiplying by its reciprocal are both exact.
             if ctx.block_size.max(1).is_power_of_two() {
-                self.score_tracked::<true>(&tracked, candidates, costs);
+                for (c, out) in candidates.iter().zip(costs.iter_mut()) {
+                    *out = self.tracked_cost::<true>(&tracked, c);
+                }
             } else {
-                self.score_tracked::<false>(&tracked, candidates, costs);
+                for (c, out) in candidates.iter().zip(costs.iter_mut()) {
+                    *out = self.tracked_cost::<false>(&tracked, c);
+                }
             }
             return Ok(());
         }
@@ -85,7 +78,60 @@ struct Knobs {
     apply_taint: bool,
 }
 
+impl Knobs {
+    /// Prefill tracked, no credit decay, no decode-label exception: the configuration
+    /// [`DefaultScorer::tracked_cost`] computes.
+    #[inline(always)]
+    fn common(&self) -> bool {
+        self.track && !self.decay_on && !self.decode_exception
+    }
+}
+
 impl DefaultScorer {
+    /// Scores `rows` as [`Scorer::score`] does, building each row only to cost it, when
+    /// the request's configuration takes the common path (prefill tracked, no credit decay,
+    /// no decode-label exception). Returns `false`, having written nothing, otherwise.
+    #[inline]
+    pub(crate) fn score_rows<R: CandidateRows + ?Sized>(
+        &self,
+        ctx: &SelectionContext<'_>,
+        rows: &R,
+        costs: &mut [f64],
+    ) -> bool {
+        let k = self.knobs(ctx);
+        if !k.common() {
+            return false;
+        }
+        let tracked = self.tracked(ctx, &k);
+        if ctx.block_size.max(1).is_power_of_two() {
+            for (i, out) in costs.iter_mut().enumerate() {
+                *out = self.tracked_cost::<true>(&tracked, &rows.row(i));
+            }
+        } else {
+            for (i, out) in costs.iter_mut().enumerate() {
+                *out = self.tracked_cost::<false>(&tracked, &rows.row(i));
+            }
+        }
+        true
+    }
+
+    /// The per-request constants of the common configuration ([`Knobs::common`]).
+    #[inline(always)]
+    fn tracked(&self, ctx: &SelectionContext<'_>, k: &Knobs) -> Tracked {
+        Tracked {
+            credit: k.credit,
+            scale: k.scale,
+            shared_mult: k.shared_mult,
+            has_tier_data: ctx.has_tier_data,
+            apply_taint: k.apply_taint,
+            isl: ctx.isl,
+            cached_above: cached_above(ctx.isl),
+            block_size: ctx.block_size,
+            block: k.block,
+            inv_block: pow2_reciprocal(ctx.block_size),
+        }
+    }
+
     fn knobs(&self, ctx: &SelectionContext<'_>) -> Knobs {
         let o = &ctx.overrides;
         let credit = o.overlap_score_credit.unwrap_or(self.credit);
@@ -208,54 +254,47 @@ impl DefaultScorer {
     /// when it can exceed `isl`: below that, `active + isl − min(isl, cached) + cached` is
     /// `active + isl`.
     #[inline(always)]
-    fn score_tracked<const POW2_BLOCK: bool>(
-        &self,
-        t: &Tracked,
-        candidates: &[Candidate],
-        costs: &mut [f64],
-    ) {
-        for (c, out) in candidates.iter().zip(costs.iter_mut()) {
-            let cache = &c.cache;
-            let lower = self.w_host * f64::from(cache.host_blocks)
-                + self.w_disk * f64::from(cache.disk_blocks);
-            let device = f64::from(cache.device_blocks);
-            let device_blocks = if t.has_tier_data {
-                device
-            } else {
-                device + lower
-            };
-            let credit_blocks = t.credit * device_blocks
-                + lower
-                + t.shared_mult * f64::from(cache.shared_beyond_blocks);
-            let (raw_tokens, decode_blocks, request_cost) = match c.load {
-                None => (t.isl, 0.0, 0.0),
-                Some(l) => {
-                    let overlap = device + lower;
-                    let raw = if overlap * f64::from(t.block_size) >= t.cached_above {
-                        let cached = cached_tokens(overlap, t.block_size);
-                        l.active_prefill_tokens + t.isl - t.isl.min(cached) + cached
-                    } else {
-                        l.active_prefill_tokens + t.isl
-                    };
-                    (
-                        raw,
-                        u64_to_f64(l.potential_decode_blocks),
-                        self.w_req * u64_to_f64(l.active_requests),
-                    )
-                }
-            };
-            let raw_blocks = if POW2_BLOCK {
-                u64_to_f64(raw_tokens) * t.inv_block
-            } else {
-                u64_to_f64(raw_tokens) / t.block
-            };
-            let adjusted = (raw_blocks - credit_blocks).max(0.0);
-            let mut cost = t.scale * adjusted + decode_blocks + request_cost;
-            if t.apply_taint {
-                cost *= c.preferred_taint_multiplier;
+    fn tracked_cost<const POW2_BLOCK: bool>(&self, t: &Tracked, c: &Candidate) -> f64 {
+        let cache = &c.cache;
+        let lower =
+            self.w_host * f64::from(cache.host_blocks) + self.w_disk * f64::from(cache.disk_blocks);
+        let device = f64::from(cache.device_blocks);
+        let device_blocks = if t.has_tier_data {
+            device
+        } else {
+            device + lower
+        };
+        let credit_blocks = t.credit * device_blocks
+            + lower
+            + t.shared_mult * f64::from(cache.shared_beyond_blocks);
+        let (raw_tokens, decode_blocks, request_cost) = match c.load {
+            None => (t.isl, 0.0, 0.0),
+            Some(l) => {
+                let overlap = device + lower;
+                let raw = if overlap * f64::from(t.block_size) >= t.cached_above {
+                    let cached = cached_tokens(overlap, t.block_size);
+                    l.active_prefill_tokens + t.isl - t.isl.min(cached) + cached
+                } else {
+                    l.active_prefill_tokens + t.isl
+                };
+                (
+                    raw,
+                    u64_to_f64(l.potential_decode_blocks),
+                    self.w_req * u64_to_f64(l.active_requests),
+                )
             }
-            *out = cost;
+        };
+        let raw_blocks = if POW2_BLOCK {
+            u64_to_f64(raw_tokens) * t.inv_block
+        } else {
+            u64_to_f64(raw_tokens) / t.block
+        };
+        let adjusted = (raw_blocks - credit_blocks).max(0.0);
+        let mut cost = t.scale * adjusted + decode_blocks + request_cost;
+        if t.apply_taint {
+            cost *= c.preferred_taint_multiplier;
         }
+        cost
     }
 }
 

@@ -75,8 +75,8 @@ mod queue;
 mod rng;
 
 pub use candidate::{
-    AffinityTarget, CacheInputs, Candidate, Capacity, LoadInputs, PoolLabel, SelectionContext,
-    SessionContext, cached_tokens, preferred_taint_multiplier,
+    AffinityTarget, CacheInputs, Candidate, CandidateRows, Capacity, LoadInputs, PoolLabel,
+    SelectionContext, SessionContext, cached_tokens, preferred_taint_multiplier,
 };
 pub use classes::{ClassDefinition, ClassRule, ClassSource, Classified, PolicyClasses};
 pub use config::{

@@ -4,7 +4,7 @@ use std::fmt;
 
 use kv_types::WorkerKey;
 
-use crate::candidate::{Candidate, SelectionContext, cached_tokens};
+use crate::candidate::{Candidate, CandidateRows, SelectionContext, cached_tokens};
 use crate::config::RouterConfig;
 use crate::default::{DefaultScorer, TemperaturePicker};
 use crate::rng::PickRng;
@@ -106,6 +106,8 @@ pub struct Scratch {
     origin: Vec<usize>,
     costs: Vec<f64>,
     partial: Vec<f64>,
+    /// Rows of a [`CandidateRows`] table collected for a policy that needs a slice.
+    table: Vec<Candidate>,
 }
 
 impl Scratch {
@@ -226,6 +228,7 @@ impl Policy {
             origin,
             costs,
             partial,
+            table: _,
         } = scratch;
         let affinity = match ctx.affinity {
             Some(a) if self.exclusive_affinity && ctx.pinned.is_none() => {
@@ -325,6 +328,52 @@ impl Policy {
         };
         let input_row = if restricted { origin[row] } else { row };
         Ok(self.describe(ctx, input_row, chosen, cost))
+    }
+
+    /// [`Policy::select`] over a table whose rows are produced on demand.
+    ///
+    /// The built-in policy scores the rows as it builds them, storing only their costs,
+    /// when nothing restricts the table (no pin, no affinity target) and the request takes
+    /// the default scorer's common configuration; the chosen row is built once more to
+    /// describe it. Otherwise the rows are collected into `scratch` and
+    /// [`Policy::select`] runs on them. Both give the same selection for the same table and
+    /// `rng` state (tested).
+    pub fn select_rows<R: CandidateRows + ?Sized>(
+        &self,
+        ctx: &SelectionContext<'_>,
+        rows: &R,
+        scratch: &mut Scratch,
+        rng: &mut PickRng,
+    ) -> Result<Selection, PolicyError> {
+        if let Parts::Builtin(scorer, picker) = &self.parts
+            && ctx.pinned.is_none()
+            && ctx.affinity.is_none()
+        {
+            let n = rows.len();
+            if n == 0 {
+                return Err(PolicyError::NoCandidates);
+            }
+            let costs = &mut scratch.costs;
+            if costs.len() != n {
+                costs.clear();
+                costs.resize(n, 0.0);
+            }
+            if scorer.score_rows(ctx, rows, costs) {
+                check_finite(0, costs)?;
+                // The temperature picker reads only the costs.
+                let row = picker.pick(ctx, &[], costs, rng)?;
+                let Some(&cost) = costs.get(row) else {
+                    return Err(PolicyError::RowOutOfRange { row, len: n });
+                };
+                return Ok(self.describe(ctx, row, &rows.row(row), cost));
+            }
+        }
+        let mut table = std::mem::take(&mut scratch.table);
+        table.clear();
+        table.extend((0..rows.len()).map(|i| rows.row(i)));
+        let selected = self.select(ctx, &table, scratch, rng);
+        scratch.table = table;
+        selected
     }
 
     // Inlined: returned through a stack slot, the struct was written with narrow stores and

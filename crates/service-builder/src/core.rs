@@ -19,9 +19,9 @@ use kv_types::{
 use load_accounting::{BookRequest, Ledger, LedgerConfig, LedgerError, ReservationId, SlotPolicy};
 use parking_lot::{Mutex, RwLock};
 use selection_policy::{
-    CacheInputs, Candidate, LoadInputs, PickRng, Policy, PolicyClasses, PolicyError, PoolLabel,
-    RouterConfig, RouterConfigOverride, Scratch, Selection, SelectionContext, cached_tokens,
-    preferred_taint_multiplier,
+    CacheInputs, Candidate, CandidateRows, LoadInputs, PickRng, Policy, PolicyClasses, PolicyError,
+    PoolLabel, RouterConfig, RouterConfigOverride, Scratch, Selection, SelectionContext,
+    cached_tokens, preferred_taint_multiplier,
 };
 
 use crate::admission::{MAX_QUEUE_WAIT, PartitionQueue, Ticket, WaitOutcome, eligible};
@@ -38,7 +38,7 @@ use crate::request::{
     PromptQuery, ReadyResponse, ReservationRequest, ReservationResponse, SelectRequest,
     SelectResponse,
 };
-use crate::roster::{Roster, RowHits, WorkerEntry};
+use crate::roster::{Roster, RosterRow, RowHits, WorkerEntry};
 use crate::session::{BindingUpdate, Hold, MAX_SESSION_ID_BYTES, SessionTable, SessionTarget};
 
 /// Builds the worker-selection policy of a partition; called once per partition.
@@ -1279,59 +1279,6 @@ impl SelectionCore {
         let workers = Arc::clone(&partition.workers.read());
         // Hits land on their candidate rows through the roster's key map: no sort, no merge.
         scratch.hits.place(&workers);
-        let (w_host, w_disk) = (router.host_cache_hit_weight, router.disk_cache_hit_weight);
-        let taint_rules = !req.required_taints.is_empty() || !req.preferred_taints.is_empty();
-        scratch.candidates.clear();
-        {
-            let ledger = partition.ledger.lock();
-            for (row, rr) in workers.rows().iter().enumerate() {
-                let key = rr.key;
-                if req
-                    .allowed_worker_ids
-                    .as_ref()
-                    .is_some_and(|a| !a.contains(&key.worker_id.0))
-                {
-                    continue;
-                }
-                let mut taint_weight = 0.0_f32;
-                if taint_rules {
-                    let taints: &[String] = match workers.get(&key.worker_id.0) {
-                        Some(w) if rr.tainted => &w.record.taints,
-                        _ => &[],
-                    };
-                    if !req.required_taints.iter().all(|t| taints.contains(t)) {
-                        continue;
-                    }
-                    taint_weight = req
-                        .preferred_taints
-                        .iter()
-                        .filter(|(t, _)| taints.contains(t))
-                        .map(|(_, w)| *w)
-                        .sum();
-                }
-                let hits = scratch.hits.at(row);
-                let cache = CacheInputs {
-                    device_blocks: hits.device,
-                    host_blocks: hits.host_pinned,
-                    disk_blocks: hits.disk_extension(),
-                    shared_beyond_blocks: 0,
-                };
-                let cached = cache.cached_tokens(w_host, w_disk, partition.block_size);
-                let added = if track { isl - isl.min(cached) } else { 0 };
-                let load = ledger.potential_load_at(rr.ledger_slot, key, &scratch.tracking, added);
-                scratch.candidates.push(Candidate {
-                    worker: key,
-                    cache,
-                    load: Some(LoadInputs {
-                        active_prefill_tokens: load.active_prefill_tokens,
-                        potential_decode_blocks: load.potential_decode_blocks,
-                        active_requests: load.active_requests,
-                    }),
-                    capacity: rr.capacity,
-                    preferred_taint_multiplier: preferred_taint_multiplier(taint_weight),
-                });
-            }
-        }
         let session = req.session_context.as_ref();
         let mut ctx =
             SelectionContext::new(isl, partition.block_size, scratch.tracking.len() as u64);
@@ -1348,7 +1295,41 @@ impl SelectionCore {
         ctx.expected_output_tokens = req.expected_output_tokens;
         ctx.priority_jump = req.priority_jump;
         ctx.strict_priority = req.strict_priority;
-        let selection = {
+        let inputs = RowInputs {
+            isl,
+            track,
+            w_host: router.host_cache_hit_weight,
+            w_disk: router.disk_cache_hit_weight,
+            block_size: partition.block_size,
+        };
+        let selection = if req.allowed_worker_ids.is_none()
+            && req.required_taints.is_empty()
+            && req.preferred_taints.is_empty()
+        {
+            // Every roster row is a candidate: the policy reads them straight from the roster,
+            // the hits and the ledger (which stays locked while it does).
+            let ledger = partition.ledger.lock();
+            let rows = RosterRows {
+                inputs: &inputs,
+                roster: &workers,
+                hits: &scratch.hits,
+                ledger: &ledger,
+                tracking: &scratch.tracking,
+            };
+            let mut rng = partition.rng.lock();
+            partition
+                .policy
+                .select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
+        } else {
+            filter_candidates(
+                &inputs,
+                req,
+                &workers,
+                &scratch.hits,
+                &partition.ledger.lock(),
+                &scratch.tracking,
+                &mut scratch.candidates,
+            );
             let mut rng = partition.rng.lock();
             partition
                 .policy
@@ -2448,6 +2429,119 @@ impl Drop for Claim<'_> {
                 rows.remove(self.id);
             }
         }
+    }
+}
+
+/// Per-request constants of the candidate rows.
+struct RowInputs {
+    isl: u64,
+    track: bool,
+    w_host: f64,
+    w_disk: f64,
+    block_size: u32,
+}
+
+impl RowInputs {
+    /// The candidate of roster row `row`: its hits and its rank's load were this request.
+    #[inline(always)]
+    fn candidate(
+        &self,
+        row: usize,
+        rr: &RosterRow,
+        hits: &RowHits,
+        ledger: &Ledger,
+        tracking: &[SequenceHash],
+        taint_weight: f32,
+    ) -> Candidate {
+        let hits = hits.at(row);
+        let cache = CacheInputs {
+            device_blocks: hits.device,
+            host_blocks: hits.host_pinned,
+            disk_blocks: hits.disk_extension(),
+            shared_beyond_blocks: 0,
+        };
+        let added = if self.track {
+            let cached = cache.cached_tokens(self.w_host, self.w_disk, self.block_size);
+            self.isl - self.isl.min(cached)
+        } else {
+            0
+        };
+        let load = ledger.potential_load_at(rr.ledger_slot, rr.key, tracking, added);
+        Candidate {
+            worker: rr.key,
+            cache,
+            load: Some(LoadInputs {
+                active_prefill_tokens: load.active_prefill_tokens,
+                potential_decode_blocks: load.potential_decode_blocks,
+                active_requests: load.active_requests,
+            }),
+            capacity: rr.capacity,
+            preferred_taint_multiplier: preferred_taint_multiplier(taint_weight),
+        }
+    }
+}
+
+/// Every roster row as a candidate, built when the policy reads it.
+struct RosterRows<'a> {
+    inputs: &'a RowInputs,
+    roster: &'a Roster,
+    hits: &'a RowHits,
+    ledger: &'a Ledger,
+    tracking: &'a [SequenceHash],
+}
+
+impl CandidateRows for RosterRows<'_> {
+    fn len(&self) -> usize {
+        self.roster.rows().len()
+    }
+
+    #[inline(always)]
+    fn row(&self, i: usize) -> Candidate {
+        let rr = &self.roster.rows()[i];
+        self.inputs
+            .candidate(i, rr, self.hits, self.ledger, self.tracking, 0.0)
+    }
+}
+
+/// The candidates a request's allow-list and required taints admit, with their
+/// preferred-taint weights.
+fn filter_candidates(
+    inputs: &RowInputs,
+    req: &SelectRequest,
+    roster: &Roster,
+    hits: &RowHits,
+    ledger: &Ledger,
+    tracking: &[SequenceHash],
+    out: &mut Vec<Candidate>,
+) {
+    out.clear();
+    let taint_rules = !req.required_taints.is_empty() || !req.preferred_taints.is_empty();
+    for (row, rr) in roster.rows().iter().enumerate() {
+        let key = rr.key;
+        if req
+            .allowed_worker_ids
+            .as_ref()
+            .is_some_and(|a| !a.contains(&key.worker_id.0))
+        {
+            continue;
+        }
+        let mut taint_weight = 0.0_f32;
+        if taint_rules {
+            let taints: &[String] = match roster.get(&key.worker_id.0) {
+                Some(w) if rr.tainted => &w.record.taints,
+                _ => &[],
+            };
+            if !req.required_taints.iter().all(|t| taints.contains(t)) {
+                continue;
+            }
+            taint_weight = req
+                .preferred_taints
+                .iter()
+                .filter(|(t, _)| taints.contains(t))
+                .map(|(_, w)| *w)
+                .sum();
+        }
+        out.push(inputs.candidate(row, rr, hits, ledger, tracking, taint_weight));
     }
 }
 

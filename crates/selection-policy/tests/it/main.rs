@@ -2,9 +2,9 @@
 
 use kv_types::WorkerKey;
 use selection_policy::{
-    AffinityTarget, CacheInputs, Candidate, Capacity, Filter, LoadInputs, PickRng, Picker, Policy,
-    PolicyError, PoolLabel, RouterConfig, RouterConfigOverride, Scorer, Scratch, SelectionContext,
-    pick_probabilities,
+    AffinityTarget, CacheInputs, Candidate, CandidateRows, Capacity, Filter, LoadInputs, PickRng,
+    Picker, Policy, PolicyError, PoolLabel, RouterConfig, RouterConfigOverride, Scorer, Scratch,
+    SelectionContext, pick_probabilities,
 };
 
 /// The three workers of §4.7: `B = 16`, `isl = 160`, every worker 3 active requests.
@@ -235,6 +235,9 @@ fn builtin_policy_matches_its_parts_composed() {
         .with_exclusive_affinity(true);
         let (mut s1, mut s2) = (Scratch::default(), Scratch::default());
         let (mut r1, mut r2) = (PickRng::seeded(9), PickRng::seeded(9));
+        let (mut s3, mut s4) = (Scratch::default(), Scratch::default());
+        let (mut r3, mut r4) = (PickRng::seeded(9), PickRng::seeded(9));
+        let mut fused_rounds = 0;
         for round in 0..2_000 {
             let n = 1 + next(6) as usize;
             let rows: Vec<Candidate> = (0..n as u64)
@@ -264,13 +267,55 @@ fn builtin_policy_matches_its_parts_composed() {
                     })
                 }
                 2 => c.overrides.router_temperature = Some(0.3),
+                // Untracked prefill leaves the default scorer's common configuration.
+                3 if next(2) == 0 => c.track_prefill_tokens = false,
                 _ => {}
             }
             let a = builtin.select(&c, &rows, &mut s1, &mut r1);
             let b = composed.select(&c, &rows, &mut s2, &mut r2);
             assert_eq!(a, b, "round {round}");
             assert_eq!(s1.costs(), s2.costs(), "round {round}");
+            // The same table read row by row: scored as built (built-in policy, nothing
+            // restricting it, common configuration) or collected first, same answer.
+            let lazy = CountedRows::new(&rows);
+            let d = builtin.select_rows(&c, &lazy, &mut s3, &mut r3);
+            assert_eq!(a, d, "round {round}");
+            if c.pinned.is_none() && c.affinity.is_none() && c.track_prefill_tokens {
+                // Every row once to cost it and the chosen one again to describe it.
+                assert_eq!(lazy.reads.get(), n + 1, "round {round}");
+                fused_rounds += 1;
+            }
+            assert_eq!(s3.costs(), s1.costs(), "round {round}");
+            let e = composed.select_rows(&c, &lazy, &mut s4, &mut r4);
+            assert_eq!(a, e, "round {round}");
         }
+        assert!(fused_rounds > 500, "{fused_rounds}");
+    }
+}
+
+/// A candidate table that counts how often its rows are read.
+struct CountedRows<'a> {
+    rows: &'a [Candidate],
+    reads: std::cell::Cell<usize>,
+}
+
+impl<'a> CountedRows<'a> {
+    fn new(rows: &'a [Candidate]) -> Self {
+        Self {
+            rows,
+            reads: std::cell::Cell::new(0),
+        }
+    }
+}
+
+impl CandidateRows for CountedRows<'_> {
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn row(&self, i: usize) -> Candidate {
+        self.reads.set(self.reads.get() + 1);
+        self.rows[i]
     }
 }
 
