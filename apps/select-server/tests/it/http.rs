@@ -20,9 +20,10 @@ pub(crate) use testkit::free_port;
 /// or never listens (it is then killed): the caller reports or retries.
 ///
 /// A port from [`free_port`] can be taken by another test's process before the server
-/// binds it; then a connection succeeds (to the other process) while this server exits on
-/// its bind error, so a listening port only counts once the child is still alive a moment
-/// later.
+/// binds it; then a connection succeeds (to the other process, often a ZMQ socket) while
+/// this server exits on its bind error, possibly only after its startup recovery. So the
+/// port counts only once it answers `GET /health` over HTTP and the child is still alive a
+/// moment later.
 pub(crate) fn spawn_server(
     port: u16,
     args: &[&str],
@@ -46,7 +47,7 @@ pub(crate) fn spawn_server(
 pub(crate) fn wait_until_listening(mut child: Child, port: u16) -> Option<Child> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+        if answers_health(port) {
             std::thread::sleep(Duration::from_millis(100));
             if child.try_wait().unwrap().is_none() {
                 return Some(child);
@@ -58,6 +59,21 @@ pub(crate) fn wait_until_listening(mut child: Child, port: u16) -> Option<Child>
     let _ = child.kill();
     let _ = child.wait();
     None
+}
+
+/// Whether `port` answers `GET /health` with an HTTP 200 (a bounded wait).
+fn answers_health(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.1 200")
 }
 
 /// [`spawn_server`] on a free port, with up to three fresh ports when one was lost to a
