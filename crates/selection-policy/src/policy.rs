@@ -220,6 +220,21 @@ impl Policy {
         scratch: &mut Scratch,
         rng: &mut PickRng,
     ) -> Result<Selection, PolicyError> {
+        match self.pick_fused(ctx, candidates, scratch, rng) {
+            Some(Ok((row, cost))) => Ok(self.describe(ctx, row, &candidates[row], cost)),
+            Some(Err(e)) => Err(e),
+            None => self.select_table(ctx, candidates, scratch, rng),
+        }
+    }
+
+    /// Filters, scorers and picker over a stored table, for every policy and request.
+    fn select_table(
+        &self,
+        ctx: &SelectionContext<'_>,
+        candidates: &[Candidate],
+        scratch: &mut Scratch,
+        rng: &mut PickRng,
+    ) -> Result<Selection, PolicyError> {
         if candidates.is_empty() {
             return Err(PolicyError::NoCandidates);
         }
@@ -345,35 +360,66 @@ impl Policy {
         scratch: &mut Scratch,
         rng: &mut PickRng,
     ) -> Result<Selection, PolicyError> {
-        if let Parts::Builtin(scorer, picker) = &self.parts
-            && ctx.pinned.is_none()
-            && ctx.affinity.is_none()
-        {
-            let n = rows.len();
-            if n == 0 {
-                return Err(PolicyError::NoCandidates);
-            }
-            let costs = &mut scratch.costs;
-            if costs.len() != n {
-                costs.clear();
-                costs.resize(n, 0.0);
-            }
-            if scorer.score_rows(ctx, rows, costs) {
-                check_finite(0, costs)?;
-                // The temperature picker reads only the costs.
-                let row = picker.pick(ctx, &[], costs, rng)?;
-                let Some(&cost) = costs.get(row) else {
-                    return Err(PolicyError::RowOutOfRange { row, len: n });
-                };
-                return Ok(self.describe(ctx, row, &rows.row(row), cost));
-            }
+        match self.pick_fused(ctx, rows, scratch, rng) {
+            Some(Ok((row, cost))) => return Ok(self.describe(ctx, row, &rows.row(row), cost)),
+            Some(Err(e)) => return Err(e),
+            None => {}
         }
         let mut table = std::mem::take(&mut scratch.table);
         table.clear();
         table.extend((0..rows.len()).map(|i| rows.row(i)));
-        let selected = self.select(ctx, &table, scratch, rng);
+        let selected = self.select_table(ctx, &table, scratch, rng);
         scratch.table = table;
         selected
+    }
+
+    /// The built-in policy over an unrestricted table in the scorer's common
+    /// configuration: one pass costs the rows as it reads them and the picker reads the
+    /// costs. Returns the chosen row and its cost (the caller reads that row again to
+    /// describe it), or `None` (nothing written, nothing drawn) for every other case.
+    ///
+    /// The row comes back rather than the [`Selection`]: returned through the `Option`, the
+    /// selection was built in one stack slot and copied into another.
+    #[inline(always)]
+    fn pick_fused<R: CandidateRows + ?Sized>(
+        &self,
+        ctx: &SelectionContext<'_>,
+        rows: &R,
+        scratch: &mut Scratch,
+        rng: &mut PickRng,
+    ) -> Option<Result<(usize, f64), PolicyError>> {
+        let Parts::Builtin(scorer, picker) = &self.parts else {
+            return None;
+        };
+        if ctx.pinned.is_some() || ctx.affinity.is_some() {
+            return None;
+        }
+        let n = rows.len();
+        if n == 0 {
+            return Some(Err(PolicyError::NoCandidates));
+        }
+        let costs = &mut scratch.costs;
+        // Resized only when the row count changes: a steady stream of selections over the
+        // same fleet leaves the buffer alone.
+        if costs.len() != n {
+            costs.clear();
+            costs.resize(n, 0.0);
+        }
+        if !scorer.score_rows(ctx, rows, costs) {
+            return None;
+        }
+        if let Err(e) = check_finite(0, costs) {
+            return Some(Err(e));
+        }
+        // The temperature picker reads only the costs.
+        Some(
+            picker
+                .pick(ctx, &[], costs, rng)
+                .and_then(|row| match costs.get(row) {
+                    Some(&cost) => Ok((row, cost)),
+                    None => Err(PolicyError::RowOutOfRange { row, len: n }),
+                }),
+        )
     }
 
     // Inlined: returned through a stack slot, the struct was written with narrow stores and
