@@ -113,6 +113,10 @@
 //!   every record was rebuilt).
 //! - Each roster row carries the ledger slot of its rank (bound at publish), so building the
 //!   candidate table reads loads by index, not by key.
+//! - A request without an allow-list or taint rules (the common one) does not build a
+//!   candidate table: the policy reads each row through `selection_policy::CandidateRows`
+//!   straight from the roster, the placed hits and the ledger (locked meanwhile), and the
+//!   built-in policy costs it as it goes. Other requests build the filtered table as before.
 //! - A selection asks the roster whether its partition has a schedulable worker; it used to
 //!   scan the catalog for one, which walked every other partition's records first: in the
 //!   last of ten 120-worker models a 256-token `select` took 14.6 µs, now 4.4 µs
@@ -130,9 +134,17 @@
 //!   these loosely.
 //!   Hashing a 4,096-token prompt (block hashes and the public chain in one pass) is
 //!   ≈ 2.2 µs, and the index walk ≈ 1.2–1.5 µs. At 128 workers and 4,096 tokens callgrind
-//!   counts 69.7 k instructions: 18.3 k hashing, 10.6 k the index walk, 12 k the policy,
-//!   ≈ 15 k the candidate rows. The 5 µs is not reached: it would need every
-//!   per-candidate part about three times smaller, another structure rather than tuning.
+//!   counted 69.7 k instructions: 18.3 k hashing, 10.6 k the index walk, 12 k the policy,
+//!   ≈ 15 k the candidate rows.
+//!
+//!   Reading rows on demand (above) brought that to 59.2 k: the rows and their costs are
+//!   now one pass of ≈ 111 instructions per worker (14.2 k at 128) instead of ≈ 155. In
+//!   three interleaved runs against the previous build (a noisy hour) the medians went
+//!   10.8 → 8.6 µs at 128 workers and 23.9 → 19.2 µs at 512 (4,096 tokens); a later
+//!   single run gave 1.6 / 3.8, 2.6 / 6.6, 4.6 / 7.9 and 15.6 / 15.9 µs for 8, 64, 128
+//!   and 512 workers. The 5 µs at 128 workers is still not reached: 5 µs is
+//!   ≈ 38 k instructions here, and hashing (18 k) plus the walk (8.9 k) plus booking and
+//!   freeing (≈ 11 k at 8 workers) already come to that before any per-worker work.
 //! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
 //!   extended by host_pinned continuations, and sources whose prefix runs past it are not
 //!   eligible. Policy files are parsed by the app; the core takes the resulting
