@@ -7,6 +7,7 @@ use kv_types::{
     BlockHash, ExternalHash, KvOperation, KvOperationKind, SequenceHash, StorageTier, StoredBlock,
     WorkerId, WorkerKey,
 };
+use rustc_hash::FxHashMap;
 
 use crate::lower::LowerTierIndex;
 use crate::primary::{OverlapScores, PrefixIndex, PrefixIndexStats, StoreOutcome};
@@ -157,6 +158,105 @@ pub enum RecordOutcome {
 #[derive(Debug)]
 struct Approx {
     timers: TtlTracker,
+    /// Per worker key, the chain its last decision recorded.
+    chains: FxHashMap<WorkerKey, RecordedChain>,
+}
+
+/// The chain of a worker's last recorded decision. A decision whose chain extends it (a
+/// repeat of the prompt, or the next turn of a conversation) need not walk and verify the
+/// blocks the worker provably still holds.
+#[derive(Debug, Clone, Copy)]
+struct RecordedChain {
+    /// Its length in blocks.
+    len: usize,
+    /// The sequence hash of its last block, which determines every block before it.
+    last: SequenceHash,
+    /// The worker's state version right after recording it: while the version is the same,
+    /// the worker still holds every block of the chain.
+    version: u64,
+    /// The deadline its timers were armed for.
+    deadline: u64,
+}
+
+impl Approx {
+    fn new(timers: TtlTracker) -> Self {
+        Approx {
+            timers,
+            chains: FxHashMap::default(),
+        }
+    }
+
+    /// Stores `blocks` (whose sequence hashes are `seqs`) for `worker` in `index` and
+    /// (re)arms their timers; `false` when nothing was recorded.
+    ///
+    /// When the chain extends the worker's last recorded one and the worker's state is
+    /// unchanged since, the known prefix is skipped: storing starts below its last block
+    /// (what a walk from the root would reach, changing nothing on the way), and its timers
+    /// are re-armed only if the deadline moved to another bucket.
+    fn record(
+        &mut self,
+        index: &mut PrefixIndex,
+        worker: WorkerKey,
+        blocks: &[StoredBlock],
+        seqs: &[SequenceHash],
+        now: Instant,
+    ) -> bool {
+        let deadline = self.timers.deadline(now);
+        let known = self.chains.get(&worker).copied().filter(|c| {
+            c.len > 0
+                && seqs.get(c.len - 1) == Some(&c.last)
+                && index.worker_version(worker) == Some(c.version)
+        });
+        let held = known.map_or(0, |c| c.len);
+        let outcome = match held {
+            0 => index.apply_stored(worker, None, blocks),
+            n if n >= blocks.len() => StoreOutcome::Duplicate,
+            n => {
+                match index.apply_stored(worker, Some(ExternalHash(seqs[n - 1].0)), &blocks[n..]) {
+                    // Unreachable while the version check holds; the walk from the root is
+                    // always right.
+                    StoreOutcome::ParentNotFound => index.apply_stored(worker, None, blocks),
+                    other => other,
+                }
+            }
+        };
+        if outcome == StoreOutcome::ParentNotFound {
+            self.chains.remove(&worker);
+            return false;
+        }
+        let armed = match known {
+            Some(c) if c.deadline == deadline => held,
+            _ => 0,
+        };
+        self.timers.arm_from(worker, seqs, armed, now);
+        match (index.worker_version(worker), seqs.last()) {
+            (Some(version), Some(&last)) => {
+                self.chains.insert(
+                    worker,
+                    RecordedChain {
+                        len: seqs.len(),
+                        last,
+                        version,
+                        deadline,
+                    },
+                );
+            }
+            _ => {
+                self.chains.remove(&worker);
+            }
+        }
+        true
+    }
+
+    fn forget_worker_key(&mut self, worker: WorkerKey) {
+        self.timers.remove_worker_key(worker);
+        self.chains.remove(&worker);
+    }
+
+    fn forget_worker_id(&mut self, worker_id: WorkerId) {
+        self.timers.remove_worker_id(worker_id);
+        self.chains.retain(|w, _| w.worker_id != worker_id);
+    }
 }
 
 /// The index of one partition `(model_name, routing_group)`.
@@ -191,18 +291,15 @@ impl KvIndex {
     /// [`IndexConfig::validate`] first; an invalid combination is built as documented
     /// (side index only with KV events, TTL in place of LRU).
     pub fn new(config: &IndexConfig, origin: Instant) -> Self {
-        let primary_ttl = (!config.use_kv_events).then(|| Approx {
-            timers: TtlTracker::new(config.router_ttl, origin),
-        });
+        let primary_ttl = (!config.use_kv_events)
+            .then(|| Approx::new(TtlTracker::new(config.router_ttl, origin)));
         let side = config
             .predicted_ttl
             .filter(|_| config.use_kv_events)
             .map(|ttl| {
                 (
                     PrefixIndex::new(),
-                    Approx {
-                        timers: TtlTracker::new(ttl, origin),
-                    },
+                    Approx::new(TtlTracker::new(ttl, origin)),
                 )
             });
         KvIndex {
@@ -367,11 +464,11 @@ impl KvIndex {
             tier.remove_worker_id(worker_id);
         }
         if let Some(a) = &mut self.primary_ttl {
-            a.timers.remove_worker_id(worker_id);
+            a.forget_worker_id(worker_id);
         }
         if let Some((side, a)) = &mut self.side {
             side.remove_worker_id(worker_id);
-            a.timers.remove_worker_id(worker_id);
+            a.forget_worker_id(worker_id);
         }
     }
 
@@ -379,11 +476,11 @@ impl KvIndex {
     pub fn remove_rank(&mut self, worker: WorkerKey) {
         self.clear_worker_key(worker);
         if let Some(a) = &mut self.primary_ttl {
-            a.timers.remove_worker_key(worker);
+            a.forget_worker_key(worker);
         }
         if let Some((side, a)) = &mut self.side {
             side.remove_worker_key(worker);
-            a.timers.remove_worker_key(worker);
+            a.forget_worker_key(worker);
         }
     }
 
@@ -537,18 +634,11 @@ impl KvIndex {
                 .map(|(&l, s)| StoredBlock::new(ExternalHash(s.0), l)),
         );
         let mut recorded = false;
-        if let Some(a) = &mut self.primary_ttl
-            && self.primary.apply_stored(worker, None, &self.block_scratch)
-                != StoreOutcome::ParentNotFound
-        {
-            a.timers.arm(worker, seqs, now);
-            recorded = true;
+        if let Some(a) = &mut self.primary_ttl {
+            recorded |= a.record(&mut self.primary, worker, &self.block_scratch, seqs, now);
         }
-        if let Some((side, a)) = &mut self.side
-            && side.apply_stored(worker, None, &self.block_scratch) != StoreOutcome::ParentNotFound
-        {
-            a.timers.arm(worker, seqs, now);
-            recorded = true;
+        if let Some((side, a)) = &mut self.side {
+            recorded |= a.record(side, worker, &self.block_scratch, seqs, now);
         }
         if recorded {
             RecordOutcome::Recorded

@@ -88,6 +88,10 @@ struct WorkerState {
     /// Nodes whose owner set contains this slot (can exceed `blocks.len()` only when an
     /// engine reuses an external hash for a different position).
     owned: u32,
+    /// Changes whenever this state gains or loses a block, and is never reused by another
+    /// state of the index: an unchanged version means the worker still holds exactly what
+    /// it held when the version was read.
+    version: u64,
 }
 
 #[inline]
@@ -96,12 +100,13 @@ fn ext_hash(ext: u64) -> u64 {
 }
 
 impl WorkerState {
-    fn new(key: WorkerKey) -> Self {
+    fn new(key: WorkerKey, version: u64) -> Self {
         WorkerState {
             key,
             blocks: HashTable::new(),
             foreign: FxHashMap::default(),
             owned: 0,
+            version,
         }
     }
 
@@ -325,6 +330,8 @@ pub struct PrefixIndex {
     /// Reused buffer of `apply_removed`.
     scratch: Vec<u32>,
     memo: Memo,
+    /// The last worker-state version handed out.
+    versions: u64,
 }
 
 impl Default for PrefixIndex {
@@ -346,6 +353,7 @@ impl PrefixIndex {
             memberships: 0,
             scratch: Vec::new(),
             memo: Memo::default(),
+            versions: 0,
         }
     }
 
@@ -452,6 +460,12 @@ impl PrefixIndex {
             }
         }
         if changed {
+            self.versions += 1;
+            if let Some(state) = self.workers[slot as usize].as_mut() {
+                state.version = self.versions;
+            }
+        }
+        if changed {
             StoreOutcome::Applied
         } else {
             StoreOutcome::Duplicate
@@ -501,8 +515,12 @@ impl PrefixIndex {
             self.prune(node);
         }
         self.memberships -= lost as usize;
+        self.versions += 1;
         if let Some(state) = self.workers[slot as usize].as_mut() {
             state.owned -= lost;
+            if out.removed > 0 || lost > 0 {
+                state.version = self.versions;
+            }
         }
         self.scratch = found;
         out
@@ -755,11 +773,19 @@ impl PrefixIndex {
         }
     }
 
+    /// The version of `worker`'s state (`None` without one): equal to a version read
+    /// earlier exactly when nothing was stored for or removed from `worker` in between.
+    pub fn worker_version(&self, worker: WorkerKey) -> Option<u64> {
+        let &slot = self.slot_of.get(&worker)?;
+        self.workers[slot as usize].as_ref().map(|s| s.version)
+    }
+
     fn slot_for(&mut self, worker: WorkerKey) -> u32 {
         if let Some(&slot) = self.slot_of.get(&worker) {
             return slot;
         }
-        let state = WorkerState::new(worker);
+        self.versions += 1;
+        let state = WorkerState::new(worker, self.versions);
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.workers[slot as usize] = Some(state);

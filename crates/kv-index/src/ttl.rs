@@ -50,7 +50,7 @@ impl TtlTracker {
     }
 
     /// The expiry (µs since origin) of an entry armed at `now`.
-    fn deadline(&self, now: Instant) -> u64 {
+    pub(crate) fn deadline(&self, now: Instant) -> u64 {
         let now_us = self.micros(now);
         if self.ttl_us == 0 {
             return now_us;
@@ -64,10 +64,22 @@ impl TtlTracker {
     /// (Re)arms a timer for every `(worker, seqs[i])` with position `i`; a re-armed entry
     /// counts from `now`.
     pub fn arm(&mut self, worker: WorkerKey, seqs: &[SequenceHash], now: Instant) {
+        self.arm_from(worker, seqs, 0, now);
+    }
+
+    /// [`TtlTracker::arm`] for `seqs[start..]` only (positions still counted from
+    /// `seqs[0]`), when the caller knows `seqs[..start]` are armed for `now`'s deadline.
+    pub(crate) fn arm_from(
+        &mut self,
+        worker: WorkerKey,
+        seqs: &[SequenceHash],
+        start: usize,
+        now: Instant,
+    ) {
         let deadline = self.deadline(now);
         let queue = &mut self.queue;
         let mut bucket: Option<&mut Vec<(WorkerKey, SequenceHash)>> = None;
-        for (pos, &seq) in seqs.iter().enumerate() {
+        for (pos, &seq) in seqs.iter().enumerate().skip(start) {
             let pos = u32::try_from(pos).unwrap_or(u32::MAX);
             let previous = self.deadlines.insert((worker, seq), (deadline, pos));
             if previous.map(|(d, _)| d) != Some(deadline) {
