@@ -10,7 +10,7 @@ use kv_types::{
 use rustc_hash::FxHashMap;
 
 use crate::lower::LowerTierIndex;
-use crate::primary::{OverlapScores, PrefixIndex, PrefixIndexStats, StoreOutcome};
+use crate::primary::{OverlapScores, PrefixIndex, PrefixIndexStats, SlotDepths, StoreOutcome};
 use crate::tiers::{TierHits, TieredMatches};
 use crate::ttl::TtlTracker;
 
@@ -513,6 +513,18 @@ impl KvIndex {
             out.push(child);
             anchor = Some(child);
         }
+    }
+
+    /// The device-tier depth of `query` for every worker slot, when that is the whole
+    /// answer: no lower tier has ever been fed and there is no side index (whose scores
+    /// would be merged in). Returns `false`, leaving `out` as it was, otherwise; then
+    /// [`KvIndex::find_tiered`] is the query to run.
+    pub fn find_device_depths(&self, query: &[BlockHash], out: &mut SlotDepths) -> bool {
+        if self.side.is_some() || self.lower.iter().any(Option::is_some) {
+            return false;
+        }
+        self.primary.find_depths(query, out);
+        true
     }
 
     /// The tiered query of §4.4 into `out`.

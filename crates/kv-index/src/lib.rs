@@ -52,6 +52,14 @@
 //!   sets insert and remove inline slots with at most three element moves (no `memmove`
 //!   call, no binary search). A heap owner set returns inline only below three slots, so a
 //!   node swinging between three and four owners does not allocate at every swing.
+//! - **Per-slot answers**: [`KvIndex::find_device_depths`] runs the same walk as
+//!   [`KvIndex::find_matches`] but writes one depth per worker slot into a reused
+//!   [`SlotDepths`] instead of an entry per matching worker, and hands out the slots' keys
+//!   only when the slot layout changed since the buffer's last query (layout ids are
+//!   unique per process, so a buffer moved to another index refreshes them too). The
+//!   service reads every worker's overlap that way. It applies while no lower tier has
+//!   been fed and there is no side index; otherwise callers use [`KvIndex::find_tiered`].
+//!   The model tests check it against `find_matches` after every operation.
 //! - **Recorded decisions** (approximate mode, side index) remember, per worker key, the
 //!   chain of its last decision: its length, its last sequence hash (which determines
 //!   every block before it) and the worker's state version right after it. Every store or
@@ -149,7 +157,8 @@ pub use index::{
 };
 pub use lower::LowerTierIndex;
 pub use primary::{
-    OverlapEntry, OverlapScores, PrefixIndex, PrefixIndexStats, RemoveOutcome, StoreOutcome,
+    OverlapEntry, OverlapScores, PrefixIndex, PrefixIndexStats, RemoveOutcome, SlotDepths,
+    StoreOutcome,
 };
 pub use shared::{RestoreReport, STORE_PIECE_BLOCKS, SharedKvIndex, apply_fairly};
 pub use tiers::{InstanceOverlap, TierHits, TierWeights, TieredMatches};

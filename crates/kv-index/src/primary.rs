@@ -94,6 +94,12 @@ struct WorkerState {
     version: u64,
 }
 
+/// A new slot-layout id, never handed out before in this process.
+fn next_layout() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 #[inline]
 fn ext_hash(ext: u64) -> u64 {
     FxBuildHasher.hash_one(ext)
@@ -227,6 +233,43 @@ pub struct OverlapScores {
     slots: Vec<u32>,
 }
 
+/// Caller-owned answer buffer of [`PrefixIndex::find_depths`]: the matched depth of every
+/// worker slot of the index (0 for none), and the worker key of every slot as of the last
+/// change of the index's slot layout. Reused across queries; allocation-free once grown.
+///
+/// A slot is a small integer the index gives a worker key while it holds any block;
+/// freed slots are reused. [`SlotDepths::layout`] changes whenever a slot is given or
+/// freed, so a caller that maps slots to its own rows rebuilds that map only then.
+#[derive(Clone, Debug, Default)]
+pub struct SlotDepths {
+    depths: Vec<u32>,
+    keys: Vec<Option<WorkerKey>>,
+    layout: Option<u64>,
+    active: Vec<u32>,
+}
+
+impl SlotDepths {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Matched blocks of the worker in `slot` (0 for an unknown slot).
+    #[inline]
+    pub fn depth(&self, slot: u32) -> u32 {
+        self.depths.get(slot as usize).copied().unwrap_or(0)
+    }
+
+    /// The worker key of each slot (`None` for a free one), as of [`SlotDepths::layout`].
+    pub fn keys(&self) -> &[Option<WorkerKey>] {
+        &self.keys
+    }
+
+    /// The index's slot layout these keys describe (`None` before the first query).
+    pub fn layout(&self) -> Option<u64> {
+        self.layout
+    }
+}
+
 impl OverlapScores {
     pub fn new() -> Self {
         Self::default()
@@ -332,6 +375,10 @@ pub struct PrefixIndex {
     memo: Memo,
     /// The last worker-state version handed out.
     versions: u64,
+    /// Changes whenever a slot is given to a worker key or freed (see [`SlotDepths`]);
+    /// unique across all indexes of the process, so a buffer used with another index never
+    /// mistakes its keys for this one's.
+    layout: u64,
 }
 
 impl Default for PrefixIndex {
@@ -354,6 +401,7 @@ impl PrefixIndex {
             scratch: Vec::new(),
             memo: Memo::default(),
             versions: 0,
+            layout: next_layout(),
         }
     }
 
@@ -560,6 +608,7 @@ impl PrefixIndex {
             }
         }
         self.free_slots.push(slot);
+        self.layout = next_layout();
         true
     }
 
@@ -599,7 +648,50 @@ impl PrefixIndex {
     pub fn find_matches(&self, query: &[BlockHash], out: &mut OverlapScores) {
         out.entries.clear();
         out.slots.clear();
-        out.active.clear();
+        let (entries, slots) = (&mut out.entries, &mut out.slots);
+        let workers = &self.workers;
+        self.walk(query, &mut out.active, |slot, depth, last_external| {
+            if let Some(state) = workers[slot as usize].as_ref() {
+                entries.push(OverlapEntry {
+                    worker: state.key,
+                    matched_blocks: depth,
+                    last_external,
+                });
+                slots.push(slot);
+            }
+        });
+    }
+
+    /// [`PrefixIndex::find_matches`] as one depth per worker slot: what a caller that reads
+    /// every worker's overlap needs, without an entry per worker to build and look up.
+    pub fn find_depths(&self, query: &[BlockHash], out: &mut SlotDepths) {
+        out.depths.clear();
+        out.depths.resize(self.workers.len(), 0);
+        if out.layout != Some(self.layout) {
+            out.keys.clear();
+            out.keys
+                .extend(self.workers.iter().map(|w| w.as_ref().map(|s| s.key)));
+            out.layout = Some(self.layout);
+        }
+        let depths = &mut out.depths;
+        self.walk(query, &mut out.active, |slot, depth, _| {
+            if let Some(d) = depths.get_mut(slot as usize) {
+                *d = depth;
+            }
+        });
+    }
+
+    /// The walk of [`PrefixIndex::find_matches`]: calls `matched(slot, depth, last external
+    /// hash)` once per worker slot that holds a prefix of `query`, with its longest one.
+    /// `active` is scratch.
+    #[inline(always)]
+    fn walk(
+        &self,
+        query: &[BlockHash],
+        active: &mut Vec<u32>,
+        mut matched: impl FnMut(u32, u32, ExternalHash),
+    ) {
+        active.clear();
         let Some(first) = query.first() else {
             return;
         };
@@ -607,9 +699,8 @@ impl PrefixIndex {
             return;
         };
         let nodes = self.nodes.as_slice();
-        out.active
-            .extend_from_slice(nodes[node as usize].owners.as_slice());
-        if out.active.is_empty() {
+        active.extend_from_slice(nodes[node as usize].owners.as_slice());
+        if active.is_empty() {
             return;
         }
         let mut depth: u32 = 1;
@@ -659,21 +750,10 @@ impl PrefixIndex {
                 break;
             };
             let owners = nodes[next as usize].owners.as_slice();
-            if owners != out.active.as_slice() {
+            if owners != active.as_slice() {
                 let last_external = ExternalHash(n.external);
-                let (entries, slots) = (&mut out.entries, &mut out.slots);
-                let workers = &self.workers;
-                retain_intersection(&mut out.active, owners, |slot| {
-                    if let Some(state) = workers[slot as usize].as_ref() {
-                        entries.push(OverlapEntry {
-                            worker: state.key,
-                            matched_blocks: depth,
-                            last_external,
-                        });
-                        slots.push(slot);
-                    }
-                });
-                if out.active.is_empty() {
+                retain_intersection(active, owners, |slot| matched(slot, depth, last_external));
+                if active.is_empty() {
                     return;
                 }
             }
@@ -681,17 +761,10 @@ impl PrefixIndex {
             depth += 1;
         }
         let last_external = ExternalHash(self.nodes[node as usize].external);
-        for &slot in &out.active {
-            if let Some(state) = self.workers[slot as usize].as_ref() {
-                out.entries.push(OverlapEntry {
-                    worker: state.key,
-                    matched_blocks: depth,
-                    last_external,
-                });
-                out.slots.push(slot);
-            }
+        for &slot in active.iter() {
+            matched(slot, depth, last_external);
         }
-        out.active.clear();
+        active.clear();
     }
 
     /// Visits the tree as dump runs (§9.1): breadth-first, chains of nodes with identical
@@ -798,6 +871,7 @@ impl PrefixIndex {
             }
         };
         self.slot_of.insert(worker, slot);
+        self.layout = next_layout();
         slot
     }
 

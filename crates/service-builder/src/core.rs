@@ -1048,7 +1048,8 @@ impl SelectionCore {
         let Some(queue) = &partition.queue else {
             return Ok(Admission::default());
         };
-        let isl = self.lookup_overlap(partition, req, scratch)?;
+        // Tiered: the cached-token limits read the hits, not only the rows.
+        let isl = self.lookup_overlap(partition, req, scratch, false)?;
         let workers = Arc::clone(&partition.workers.read());
         let best_cached_tokens = self
             .best_cached_tokens(partition, &workers, req, scratch)
@@ -1127,7 +1128,7 @@ impl SelectionCore {
                     && !scratch.blocks.is_empty()
                 {
                     // The index moved on while it waited; load is projected fresh anyway.
-                    self.find_overlap(partition, scratch);
+                    self.find_overlap(partition, scratch, false);
                 }
                 Ok(Admission {
                     prepared_isl: Some(isl),
@@ -1229,13 +1230,15 @@ impl SelectionCore {
         Some(SessionGuard::none())
     }
 
-    /// Hashes the prompt into `scratch` and looks up its tiered overlap (moved out of
-    /// `schedule` so admission can do it once and `schedule` reuse it); returns the ISL.
+    /// Hashes the prompt into `scratch` and looks up its overlap (moved out of `schedule`
+    /// so admission can do it once and `schedule` reuse it); returns the ISL. `dense_ok`:
+    /// see [`SelectionCore::find_overlap`].
     fn lookup_overlap(
         &self,
         partition: &Partition,
         req: &SelectRequest,
         scratch: &mut SelectScratch,
+        dense_ok: bool,
     ) -> Result<u64, SelectionError> {
         let over = &req.router_config_override;
         let isl = self.normalize_prompt(partition, &req.prompt, over, true, scratch)?;
@@ -1248,16 +1251,16 @@ impl SelectionCore {
                 pin.worker_id
             )));
         }
-        self.find_overlap(partition, scratch);
+        self.find_overlap(partition, scratch, dense_ok);
         Ok(isl)
     }
 
-    /// The tiered lookup of `scratch.blocks` (placed on roster rows by `schedule`).
-    fn find_overlap(&self, partition: &Partition, scratch: &mut SelectScratch) {
-        partition
-            .index
-            .read()
-            .find_tiered(&scratch.blocks, scratch.hits.tiered_mut());
+    /// The lookup of `scratch.blocks` (placed on roster rows by `schedule`): per worker slot
+    /// when `dense_ok` and the index allows it, else tiered (what `tiered()` readers need).
+    fn find_overlap(&self, partition: &Partition, scratch: &mut SelectScratch, dense_ok: bool) {
+        scratch
+            .hits
+            .find(&partition.index.read(), &scratch.blocks, dense_ok);
     }
 
     /// Hashes, looks up, builds candidates and runs the policy.
@@ -1273,7 +1276,7 @@ impl SelectionCore {
         // Queued partitions hashed and looked up during admission (`prepared_isl`).
         let isl = match prepared_isl {
             Some(isl) => isl,
-            None => self.lookup_overlap(partition, req, scratch)?,
+            None => self.lookup_overlap(partition, req, scratch, true)?,
         };
         let track = router.track_prefill_tokens(over);
         let workers = Arc::clone(&partition.workers.read());
@@ -2453,7 +2456,7 @@ impl RowInputs {
         tracking: &[SequenceHash],
         taint_weight: f32,
     ) -> Candidate {
-        let hits = hits.at(row);
+        let hits = hits.at(row, rr.key);
         let cache = CacheInputs {
             device_blocks: hits.device,
             host_blocks: hits.host_pinned,

@@ -10,7 +10,8 @@ use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kv_index::{TierHits, TieredMatches};
+use kv_index::{KvIndex, SlotDepths, TierHits, TieredMatches};
+use kv_types::BlockHash;
 use kv_types::WorkerKey;
 use load_accounting::{Ledger, RankSlot};
 use rustc_hash::FxHashMap;
@@ -108,31 +109,80 @@ const NO_HIT: u32 = u32::MAX;
 /// A cached answer "this worker has no row in the roster".
 const NO_ROW: u32 = u32::MAX;
 
-/// The tiered hits of one query placed on the rows of the roster it was matched against.
+/// A cached answer "this roster row's worker has no slot in the index".
+const NO_SLOT: u32 = u32::MAX;
+
+/// The hits of one query placed on the rows of the roster it was matched against.
+///
+/// Two forms. When the index can answer with one device depth per worker slot (no lower
+/// tier fed, no side index: the common case), rows read their depth through a cached
+/// row → slot map, rebuilt only when the roster or the index's slot layout changes; no
+/// per-worker entry is built, converted or placed. Otherwise the tiered hits are placed
+/// on rows as before.
 #[derive(Debug, Default)]
 pub(crate) struct RowHits {
     tiered: TieredMatches,
-    /// Per roster row, the index of its entry in `tiered.hits()` or `NO_HIT`.
+    /// The per-slot answer, valid when `dense` is set.
+    depths: SlotDepths,
+    dense: bool,
+    /// Dense form: per roster row, its index slot or `NO_SLOT`, for the roster and slot
+    /// layout in `row_slot_for`.
+    row_slot: Vec<u32>,
+    row_slot_for: (u64, Option<u64>),
+    /// Tiered form: per roster row, the index of its entry in `tiered.hits()` or `NO_HIT`.
     at_row: Vec<u32>,
-    /// Per index worker slot, the worker last seen there and its row in roster
+    /// Tiered form: per index worker slot, the worker last seen there and its row in roster
     /// `cache_roster` (or `NO_ROW`). Placing a hit is then an array read and a key compare
     /// instead of a hash lookup; the key check catches slots the index reused.
     slot_rows: Vec<Option<(WorkerKey, u32)>>,
     cache_roster: u64,
+    /// The roster of the last [`RowHits::place`].
+    placed_roster: u64,
 }
 
 impl RowHits {
-    /// Buffer for the index lookup; call [`RowHits::place`] after filling it.
+    /// Runs the lookup of `blocks` against `index`: in the per-slot form when `dense_ok`
+    /// and the index allows it, else the tiered query. Call [`RowHits::place`] next.
+    pub(crate) fn find(&mut self, index: &KvIndex, blocks: &[BlockHash], dense_ok: bool) {
+        self.dense = dense_ok && index.find_device_depths(blocks, &mut self.depths);
+        if !self.dense {
+            index.find_tiered(blocks, &mut self.tiered);
+        }
+    }
+
+    /// Buffer for a tiered lookup the caller reads itself (not through rows).
     pub(crate) fn tiered_mut(&mut self) -> &mut TieredMatches {
+        self.dense = false;
         &mut self.tiered
     }
 
+    /// The tiered hits of the last lookup; only meaningful when it was tiered (a lookup
+    /// through [`RowHits::find`] with `dense_ok` off, or one into [`RowHits::tiered_mut`]).
     pub(crate) fn tiered(&self) -> &TieredMatches {
         &self.tiered
     }
 
-    /// Assigns each hit to its row; hits of workers outside the roster are ignored.
+    /// Assigns the last lookup's hits to the rows of `roster`; hits of workers outside the
+    /// roster are ignored.
     pub(crate) fn place(&mut self, roster: &Roster) {
+        self.placed_roster = roster.id;
+        if self.dense {
+            let key = (roster.id, self.depths.layout());
+            if self.row_slot_for != key {
+                self.row_slot.clear();
+                self.row_slot.resize(roster.rows.len(), NO_SLOT);
+                for (slot, k) in self.depths.keys().iter().enumerate() {
+                    if let Some(k) = k
+                        && let Some(&row) = roster.row_of.get(k)
+                        && let Some(at) = self.row_slot.get_mut(row as usize)
+                    {
+                        *at = slot as u32;
+                    }
+                }
+                self.row_slot_for = key;
+            }
+            return;
+        }
         if self.cache_roster != roster.id {
             self.slot_rows.clear();
             self.cache_roster = roster.id;
@@ -164,8 +214,21 @@ impl RowHits {
         }
     }
 
-    /// The hits of row `row` of the roster last placed (zero when it matched nothing).
-    pub(crate) fn at(&self, row: usize) -> TierHits {
+    /// The hits of row `row` (whose worker key is `key`) of the roster last placed (zero
+    /// when it matched nothing).
+    #[inline]
+    pub(crate) fn at(&self, row: usize, key: WorkerKey) -> TierHits {
+        if self.dense {
+            let device = match self.row_slot.get(row) {
+                Some(&slot) if slot != NO_SLOT => self.depths.depth(slot),
+                _ => 0,
+            };
+            return TierHits {
+                worker: key,
+                device,
+                ..TierHits::default()
+            };
+        }
         match self.at_row.get(row) {
             Some(&i) if i != NO_HIT => self.tiered.hits()[i as usize],
             _ => TierHits::default(),
@@ -175,10 +238,13 @@ impl RowHits {
     /// The hits of `key`, looked up through `roster`. A roster other than the one placed
     /// against (the catalog changed in between) yields zero rather than another rank's hits.
     pub(crate) fn of(&self, roster: &Roster, key: WorkerKey) -> TierHits {
-        let hit = roster
-            .row_of
-            .get(&key)
-            .map_or_else(TierHits::default, |&row| self.at(row as usize));
+        let Some(&row) = roster.row_of.get(&key) else {
+            return TierHits::default();
+        };
+        if self.placed_roster != roster.id {
+            return TierHits::default();
+        }
+        let hit = self.at(row as usize, key);
         if hit.worker == key {
             hit
         } else {
@@ -234,55 +300,79 @@ mod tests {
         index.apply(&op);
     }
 
+    /// Row `row`'s hits, its key read from `roster` (a key no row has past the end).
+    fn at(hits: &RowHits, roster: &Roster, row: usize) -> TierHits {
+        let key = roster
+            .rows()
+            .get(row)
+            .map_or(WorkerKey::new(u64::MAX, 0), |r| r.key);
+        hits.at(row, key)
+    }
+
     #[test]
     fn cached_slot_rows_follow_roster_changes_and_slot_reuse() {
         use kv_types::{BlockHash, WorkerId};
-        let mut index = kv_index::KvIndex::with_block_size(4);
-        let (a, b, c) = (
-            WorkerKey::new(1, 0),
-            WorkerKey::new(2, 0),
-            WorkerKey::new(3, 0),
-        );
-        store(&mut index, a, &[10, 11]);
-        store(&mut index, b, &[10]);
-        let query = [BlockHash(10), BlockHash(11)];
-        let mut hits = RowHits::default();
-        let place = |hits: &mut RowHits, index: &kv_index::KvIndex, roster: &Roster| {
-            index.find_tiered(&query, hits.tiered_mut());
-            assert!(!hits.tiered().hit_slots().is_empty());
-            hits.place(roster);
-        };
+        // Both forms of the lookup: per-slot depths through the cached row → slot map, and
+        // tiered hits placed through the cached slot → row map.
+        for dense in [true, false] {
+            let mut index = kv_index::KvIndex::with_block_size(4);
+            let (a, b, c) = (
+                WorkerKey::new(1, 0),
+                WorkerKey::new(2, 0),
+                WorkerKey::new(3, 0),
+            );
+            store(&mut index, a, &[10, 11]);
+            store(&mut index, b, &[10]);
+            let query = [BlockHash(10), BlockHash(11)];
+            let mut hits = RowHits::default();
+            let place = |hits: &mut RowHits, index: &kv_index::KvIndex, roster: &Roster| {
+                hits.find(index, &query, dense);
+                assert_eq!(hits.dense, dense);
+                hits.place(roster);
+            };
+            let slot_of = |hits: &RowHits, key: WorkerKey| {
+                if dense {
+                    let keys = hits.depths.keys();
+                    keys.iter().position(|k| *k == Some(key)).map(|s| s as u32)
+                } else {
+                    let i = hits.tiered().hits().iter().position(|h| h.worker == key);
+                    i.and_then(|i| hits.tiered().hit_slots().get(i).copied())
+                }
+            };
 
-        let roster = Roster::new([worker(1, 1), worker(2, 1)].into_iter().collect());
-        for _ in 0..2 {
-            // The second round reads the cached slots.
+            let roster = Roster::new([worker(1, 1), worker(2, 1)].into_iter().collect());
+            for _ in 0..2 {
+                // The second round reads the cached map.
+                place(&mut hits, &index, &roster);
+                assert_eq!(at(&hits, &roster, 0).device, 2);
+                assert_eq!(at(&hits, &roster, 1).device, 1);
+                assert_eq!(hits.of(&roster, a).device, 2);
+            }
+            // A new roster without worker 1: worker 2 moves to row 0.
+            let roster = Roster::new([worker(2, 1), worker(3, 1)].into_iter().collect());
             place(&mut hits, &index, &roster);
-            assert_eq!(hits.at(0).device, 2);
-            assert_eq!(hits.at(1).device, 1);
+            assert_eq!(at(&hits, &roster, 0).worker, b);
+            assert_eq!(at(&hits, &roster, 0).device, 1);
+            assert_eq!(at(&hits, &roster, 1).device, 0);
+            assert_eq!(hits.of(&roster, a), TierHits::default());
+            // Worker 1 leaves the index and worker 3 takes its slot: same roster, new key.
+            let slot_a = slot_of(&hits, a);
+            index.remove_worker(WorkerId(1));
+            store(&mut index, c, &[10, 11]);
+            place(&mut hits, &index, &roster);
+            assert_eq!(
+                slot_of(&hits, c),
+                slot_a,
+                "the index reuses the vacant slot"
+            );
+            assert_eq!(at(&hits, &roster, 0).device, 1);
+            assert_eq!(at(&hits, &roster, 1).worker, c);
+            assert_eq!(at(&hits, &roster, 1).device, 2);
+            assert_eq!(hits.of(&roster, c).device, 2);
+            // A roster the hits were not placed on answers nothing.
+            let other = Roster::new([worker(3, 1)].into_iter().collect());
+            assert_eq!(hits.of(&other, c), TierHits::default());
         }
-        // A new roster without worker 1: worker 2 moves to row 0.
-        let roster = Roster::new([worker(2, 1), worker(3, 1)].into_iter().collect());
-        place(&mut hits, &index, &roster);
-        assert_eq!(hits.at(0).worker, b);
-        assert_eq!(hits.at(0).device, 1);
-        assert_eq!(hits.at(1), TierHits::default());
-        // Worker 1 leaves the index and worker 3 takes its slot: same roster, new key.
-        let slot_of = |hits: &RowHits, key: WorkerKey| {
-            let i = hits.tiered().hits().iter().position(|h| h.worker == key);
-            i.and_then(|i| hits.tiered().hit_slots().get(i).copied())
-        };
-        let slot_a = slot_of(&hits, a);
-        index.remove_worker(WorkerId(1));
-        store(&mut index, c, &[10, 11]);
-        place(&mut hits, &index, &roster);
-        assert_eq!(
-            slot_of(&hits, c),
-            slot_a,
-            "the index reuses the vacant slot"
-        );
-        assert_eq!(hits.at(0).device, 1);
-        assert_eq!(hits.at(1).worker, c);
-        assert_eq!(hits.at(1).device, 2);
     }
 
     #[test]
@@ -290,8 +380,8 @@ mod tests {
         let roster = Roster::new([worker(1, 1)].into_iter().collect());
         let mut hits = RowHits::default();
         hits.place(&roster);
-        assert_eq!(hits.at(0), TierHits::default());
-        assert_eq!(hits.at(7), TierHits::default());
+        assert_eq!(at(&hits, &roster, 0).device, 0);
+        assert_eq!(at(&hits, &roster, 7), TierHits::default());
         assert_eq!(hits.of(&roster, WorkerKey::new(2, 0)), TierHits::default());
     }
 }

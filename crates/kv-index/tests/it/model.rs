@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use kv_index::snapshot::{DecodeLimits, Dump, PartitionDump, decode_dump, encode_dump};
-use kv_index::{KvIndex, OverlapScores, SharedKvIndex, TieredMatches};
+use kv_index::{KvIndex, OverlapScores, SharedKvIndex, SlotDepths, TieredMatches};
 use kv_types::{StorageTier, WorkerId, WorkerKey};
 use proptest::prelude::*;
 
@@ -83,7 +83,27 @@ fn index_scores(idx: &KvIndex, query: &[u64], out: &mut OverlapScores) -> BTreeM
         .map(|e| (e.worker, e.matched_blocks))
         .collect();
     assert_eq!(map.len(), out.len(), "one entry per worker");
+    // The per-slot form of the same query says the same, through a buffer reused across
+    // queries and indexes (its cached slot keys must follow slot changes).
+    DEPTHS.with_borrow_mut(|depths| {
+        if idx.find_device_depths(&q(query), depths) {
+            let dense: BTreeMap<_, _> = depths
+                .keys()
+                .iter()
+                .enumerate()
+                .filter_map(|(slot, key)| {
+                    let d = depths.depth(slot as u32);
+                    key.filter(|_| d > 0).map(|k| (k, d))
+                })
+                .collect();
+            assert_eq!(dense, map, "find_device_depths disagrees with find_matches");
+        }
+    });
     map
+}
+
+thread_local! {
+    static DEPTHS: std::cell::RefCell<SlotDepths> = std::cell::RefCell::new(SlotDepths::new());
 }
 
 #[derive(Clone, Debug)]
