@@ -502,22 +502,47 @@ pub fn pick_probabilities(costs: &[f64], temperature: f64, out: &mut [f64]) {
     }
 }
 
-/// Minimum with a single-pass uniform tie-break: the k-th row tying the best replaces it
-/// with probability 1/k.
+/// Minimum with a uniform tie-break: one draw picks among the rows tying the minimum.
 fn pick_min(costs: &[f64], rng: &mut PickRng) -> usize {
+    // Two plain passes (the minimum, then its ties) rather than one pass drawing a number
+    // at every tie with the running minimum: idle workers tie on a higher cost all the
+    // time, and each of those draws cost more than the row. One draw when the minimum
+    // itself is tied, none otherwise.
+    if let [a, b] = *costs
+        && a.is_finite()
+        && b.is_finite()
+    {
+        // Two rows (a few workers per model is common): what the passes below decide.
+        return if a < b {
+            0
+        } else if b < a {
+            1
+        } else {
+            rng.below(2) as usize
+        };
+    }
     let mut best = 0;
-    let mut best_cost = costs[0];
-    let mut ties = 1u64;
-    for (i, &c) in costs.iter().enumerate().skip(1) {
+    let mut best_cost = f64::INFINITY;
+    let mut ties = 0u64;
+    for (i, &c) in costs.iter().enumerate() {
         if c < best_cost {
             best = i;
             best_cost = c;
             ties = 1;
         } else if c == best_cost {
             ties += 1;
-            if rng.below(ties) == 0 {
-                best = i;
+        }
+    }
+    if ties <= 1 {
+        return best;
+    }
+    let mut k = rng.below(ties);
+    for (i, &c) in costs.iter().enumerate() {
+        if c == best_cost {
+            if k == 0 {
+                return i;
             }
+            k -= 1;
         }
     }
     best
@@ -597,6 +622,29 @@ mod tests {
         for h in [hits[1], hits[3], hits[4]] {
             assert!((9_000..11_000).contains(&h), "{hits:?}");
         }
+    }
+
+    #[test]
+    fn zero_temperature_draws_only_for_a_tied_minimum() {
+        // Ties above the minimum (idle workers) cost no draw; a unique minimum none either.
+        let mut rng = PickRng::seeded(5);
+        let untouched = rng.clone().next_u64();
+        assert_eq!(pick_min(&[2.0, 2.0, 2.0, 1.0, 2.0], &mut rng), 3);
+        assert_eq!(rng.clone().next_u64(), untouched);
+        // A tied minimum: exactly one draw, and the row it names.
+        let costs = [1.0, 2.0, 1.0, 1.0];
+        let mut expected = rng.clone();
+        let k = expected.below(3) as usize;
+        assert_eq!(pick_min(&costs, &mut rng), [0, 2, 3][k]);
+        assert_eq!(rng.next_u64(), expected.next_u64());
+        // The two-row shortcut decides as the passes do.
+        for (costs, row) in [([1.0, 2.0], 0), ([2.0, 1.0], 1)] {
+            assert_eq!(pick_min(&costs, &mut rng), row);
+        }
+        let mut expected = rng.clone();
+        let k = expected.below(2) as usize;
+        assert_eq!(pick_min(&[4.0, 4.0], &mut rng), k);
+        assert_eq!(rng.next_u64(), expected.next_u64());
     }
 
     #[test]
