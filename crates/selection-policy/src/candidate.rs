@@ -114,6 +114,12 @@ pub trait CandidateRows {
 
     /// Row `i` (`i < len()`).
     fn row(&self, i: usize) -> Candidate;
+
+    /// The rows as one slice, when they are stored that way (loops over it then need no
+    /// index checks).
+    fn as_slice(&self) -> Option<&[Candidate]> {
+        None
+    }
 }
 
 impl CandidateRows for [Candidate] {
@@ -123,6 +129,10 @@ impl CandidateRows for [Candidate] {
 
     fn row(&self, i: usize) -> Candidate {
         self[i]
+    }
+
+    fn as_slice(&self) -> Option<&[Candidate]> {
+        Some(self)
     }
 }
 

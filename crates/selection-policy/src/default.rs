@@ -103,13 +103,27 @@ impl DefaultScorer {
             return false;
         }
         let tracked = self.tracked(ctx, &k);
-        if ctx.block_size.max(1).is_power_of_two() {
-            for (i, out) in costs.iter_mut().enumerate() {
-                *out = self.tracked_cost::<true>(&tracked, &rows.row(i));
+        let pow2 = ctx.block_size.max(1).is_power_of_two();
+        match rows.as_slice() {
+            Some(slice) if pow2 => {
+                for (c, out) in slice.iter().zip(costs.iter_mut()) {
+                    *out = self.tracked_cost::<true>(&tracked, c);
+                }
             }
-        } else {
-            for (i, out) in costs.iter_mut().enumerate() {
-                *out = self.tracked_cost::<false>(&tracked, &rows.row(i));
+            Some(slice) => {
+                for (c, out) in slice.iter().zip(costs.iter_mut()) {
+                    *out = self.tracked_cost::<false>(&tracked, c);
+                }
+            }
+            None if pow2 => {
+                for (i, out) in costs.iter_mut().enumerate() {
+                    *out = self.tracked_cost::<true>(&tracked, &rows.row(i));
+                }
+            }
+            None => {
+                for (i, out) in costs.iter_mut().enumerate() {
+                    *out = self.tracked_cost::<false>(&tracked, &rows.row(i));
+                }
             }
         }
         true
@@ -523,19 +537,18 @@ fn pick_min(costs: &[f64], rng: &mut PickRng) -> usize {
     }
     let mut best = 0;
     let mut best_cost = f64::INFINITY;
-    let mut ties = 0u64;
     for (i, &c) in costs.iter().enumerate() {
         if c < best_cost {
             best = i;
             best_cost = c;
-            ties = 1;
-        } else if c == best_cost {
-            ties += 1;
         }
     }
-    if ties <= 1 {
+    // Only rows after the first minimum can tie it; most tables have none.
+    let tail = costs.get(best + 1..).unwrap_or_default();
+    if !tail.contains(&best_cost) {
         return best;
     }
+    let ties = 1 + tail.iter().filter(|&&c| c == best_cost).count() as u64;
     let mut k = rng.below(ties);
     for (i, &c) in costs.iter().enumerate() {
         if c == best_cost {
