@@ -70,10 +70,10 @@
 //!   changing anything, and re-arms those blocks' timers only if the deadline moved to
 //!   another 100 ms bucket. The approximate-mode model test fails if either check is
 //!   dropped. Booking a 4,096-token prompt again at 128 workers in approximate mode:
-//!   128 k → 64 k instructions, 21 → 10 µs (`service` bench `approximate`, medians of
-//!   three interleaved runs). That bench repeats one prompt, the best case; a chain that
-//!   does not extend the worker's last one (another prompt, a shorter one) costs what it
-//!   did before, plus one map lookup.
+//!   128 k → 64 k instructions, 21 → 10 µs (the `service` bench's booking loop run by
+//!   hand, medians of three interleaved runs). That bench repeats one prompt, the best
+//!   case; a chain that does not extend the worker's last one (another prompt, a shorter
+//!   one) costs what it did before, plus one map lookup.
 //! - **Concurrency**: [`SharedKvIndex`] is a `parking_lot::RwLock<KvIndex>` whose write
 //!   sections are short: one operation, except that a device store longer than
 //!   [`STORE_PIECE_BLOCKS`] (128) is applied in pieces ([`apply_fairly`]), plus one recorded

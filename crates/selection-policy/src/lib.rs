@@ -64,23 +64,28 @@
 //!   the request takes the scorer's common configuration; anything else collects the rows
 //!   and runs filters, scorers and picker as before. A test checks both entry points
 //!   against the composed policy over 2,000 random tables.
+//! - Temperature 0 finds the minimum in one pass and looks for rows tying it only after
+//!   it, drawing one number when the minimum is tied (and none otherwise). The earlier
+//!   single pass drew at every row tying the running minimum: idle workers tie on a cost
+//!   above the minimum all the time. Which tied row a given seed picks changed with this;
+//!   the choice stays uniform (tested).
 //! - Bench (`cargo bench -p benches --bench select_default -- --warm-up-time 1
-//!   --measurement-time 3`) on the shared 2-core machine, per candidate. Its speed swings
-//!   by about ±25 % between hours, so these are ranges of run medians:
-//!   - t = 0: 19–34 ns at 2 rows (median 27 over 21 runs), 7–14 ns at 32 to 10,000;
-//!   - t = 0.7: 23–37 ns at 2 rows (median 29), 15–21 ns at 32 to 10,000;
-//!   - the target is 30 ns, so the two-row case is at it, not safely under it.
+//!   --measurement-time 2`) on the shared 2-core machine, per candidate. Its speed swings
+//!   by about ±25 % between hours, so these are ranges of run medians, 2026-11-30, nine
+//!   runs of the current code (five of them interleaved with the code of the morning):
+//!   - t = 0: 20.0–28.7 ns at 2 rows (median 21.5), 7–11 ns at 32 to 10,000;
+//!   - t = 0.7: 26.6–29.2 ns at 2 rows (median 28.7), 15–21 ns at 32 to 10,000;
+//!   - the morning's code in the interleaved runs: 20.6–30.5 ns (t = 0) and 24.6–33.2 ns
+//!     (t = 0.7) at 2 rows, medians 23.7 and 31.2.
 //!
-//!   Before the two points above, the two-row selection took 64 ns (t = 0) and 96 ns
-//!   (t = 0.7). Callgrind: 576 → 512 and 777 → 504 instructions.
-//!
-//!   The fused path then took the two-row selection from 512 to 472 instructions (t = 0)
-//!   and from 504 to 457 (t = 0.7). In a noisy hour, three interleaved runs of each build
-//!   gave medians of 28.9 → 23.9 ns (t = 0) and 30.7 → 28.8 ns (t = 0.7) at two rows, and
-//!   the same 9.4 / 17 ns at 128 rows. Two attempts to go further were measured and
-//!   dropped: checking finiteness while scoring (472 → 480 instructions: the flag cost a
-//!   register) and drawing the random number before scoring so its multiplies overlap it
-//!   (457 → 481 instructions; timings within the noise).
+//!   The target is 30 ns. Every run met it at every size; the closest is two rows at
+//!   t = 0.7, about 4 % under, so a slow hour can still push a single run over.
+//!   Callgrind counts per two-row selection: 576 → 512 → 465 (t = 0) and
+//!   777 → 504 → 443 (t = 0.7) over the last two sessions; 1,024 rows 85.3 k → 83.0 k
+//!   (t = 0). Two attempts to go further were measured and dropped: checking finiteness
+//!   while scoring (the flag cost a register: +8 instructions at two rows) and drawing the
+//!   random number before scoring so its multiplies overlap it (+24 instructions, timings
+//!   within the noise).
 
 mod candidate;
 mod classes;

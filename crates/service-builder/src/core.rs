@@ -1280,7 +1280,8 @@ impl SelectionCore {
         };
         let track = router.track_prefill_tokens(over);
         let workers = Arc::clone(&partition.workers.read());
-        // Hits land on their candidate rows through the roster's key map: no sort, no merge.
+        // Hits land on their candidate rows through a cached row → slot map (or, for tiered
+        // hits, the roster's key map): no sort, no merge.
         scratch.hits.place(&workers);
         let session = req.session_context.as_ref();
         let mut ctx =
@@ -2445,7 +2446,8 @@ struct RowInputs {
 }
 
 impl RowInputs {
-    /// The candidate of roster row `row`: its hits and its rank's load were this request.
+    /// The candidate of roster row `row`: its hits for this request and its rank's load
+    /// with this request added.
     #[inline(always)]
     fn candidate(
         &self,

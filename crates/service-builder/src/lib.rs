@@ -114,9 +114,8 @@
 //!   map, rebuilt only when the roster or the index's slot layout changes. Where the index
 //!   cannot answer that way (a lower tier fed, a side index) and for admission (whose
 //!   cached-token limits read the hits themselves), the tiered hits are placed on rows
-//!   through the key map instead. At 128 workers and 4,096 tokens this took a booking from
-//!   59.2 k to 49.2 k instructions (512 workers: 143 k → 102 k): no entry per matching
-//!   worker to build, convert and place.
+//!   through the key map instead: no entry per matching worker to build, convert and
+//!   place.
 //! - Each roster row carries the ledger slot of its rank (bound at publish), so building the
 //!   candidate table reads loads by index, not by key.
 //! - A request without an allow-list or taint rules (the common one) does not build a
@@ -128,34 +127,30 @@
 //!   last of ten 120-worker models a 256-token `select` took 14.6 µs, now 4.4 µs
 //!   (`select/10_partitions_of_120`).
 //! - Cost (`cargo bench -p benches --bench service`, default event-driven config, block size
-//!   16, 2-core VM, criterion medians, 2026-11-30), select_and_reserve + free:
-//!   - 8 workers: 1.95 / 4.3 µs (256 / 4,096-token prompts);
-//!   - 64 workers: 3.9 / 7.1 µs;
-//!   - 128 workers: 6.4 / 9.0 µs;
-//!   - 512 workers: 17.0 / 20.8 µs.
+//!   16, 2-core VM, criterion medians), select_and_reserve + free, 256 / 4,096-token
+//!   prompts, three runs on the afternoon of 2026-11-30:
+//!   - 8 workers: 1.5–1.9 / 4.0–4.1 µs;
+//!   - 64 workers: 2.2–3.1 / 5.1–6.3 µs;
+//!   - 128 workers: 2.9–3.7 / 5.9–7.1 µs;
+//!   - 512 workers: 9.0–10.4 / 9.3–14.2 µs;
+//!   - approximate mode, 128 workers / 4,096 tokens: 6.2–7.7 µs.
 //!
-//!   An earlier session measured 3.1 / 5.9, 7.6 / 11.4 and 22 / 25 µs (8, 128, 512
-//!   workers), and before the ledger slots and the fixed-size hashing 3.4 / 6.6,
-//!   11.2 / 15.5 and 37 / 45 µs. The machine's speed varies between sessions, so compare
-//!   these loosely.
-//!   Hashing a 4,096-token prompt (block hashes and the public chain in one pass) is
-//!   ≈ 2.2 µs, and the index walk ≈ 1.2–1.5 µs. At 128 workers and 4,096 tokens callgrind
-//!   counted 69.7 k instructions: 18.3 k hashing, 10.6 k the index walk, 12 k the policy,
-//!   ≈ 15 k the candidate rows.
+//!   Three runs interleaved with the morning's code (4,096 tokens, medians): 8 workers
+//!   5.6 → 4.7 µs, 128 workers 9.0 → 6.1 µs, 512 workers 21.4 → 13.5 µs, approximate
+//!   17.4 → 7.9 µs. Callgrind per booking + free, morning → now: 8 workers 33.9 k →
+//!   32.4 k instructions, 128 workers 69.4 k → 47.9 k, 512 workers 143 k → 97.7 k,
+//!   approximate at 128 workers 128 k → 53 k. The steps: rows read on demand and costed
+//!   as they are built (69.4 k → 59.2 k at 128 workers), one depth per index slot instead
+//!   of an entry per matching worker (→ 49.2 k), the temperature-0 minimum without a draw
+//!   per tie (→ 47.9 k); in approximate mode, recorded chains the worker already holds are
+//!   skipped (see kv-index; a repeated prompt is that change's best case).
 //!
-//!   Reading rows on demand (above) brought that to 59.2 k: the rows and their costs are
-//!   now one pass of ≈ 111 instructions per worker (14.2 k at 128) instead of ≈ 155. In
-//!   three interleaved runs against the previous build (a noisy hour) the medians went
-//!   10.8 → 8.6 µs at 128 workers and 23.9 → 19.2 µs at 512 (4,096 tokens); a later
-//!   single run gave 1.6 / 3.8, 2.6 / 6.6, 4.6 / 7.9 and 15.6 / 15.9 µs for 8, 64, 128
-//!   and 512 workers. The 5 µs at 128 workers is still not reached: 5 µs is
-//!   ≈ 38 k instructions here, and hashing (18 k) plus the walk (8.9 k) plus booking and
-//!   freeing (≈ 11 k at 8 workers) already come to that before any per-worker work.
-//!
-//!   In approximate mode a booking also records its chain in the index. Recording a chain
-//!   the worker already holds now skips the known part (see kv-index), so booking the
-//!   same 4,096-token prompt at 128 workers went from ≈ 128 k to ≈ 64 k instructions
-//!   (a repeated prompt is that change's best case).
+//!   Of the 47.9 k at 128 workers and 4,096 tokens, hashing the prompt (block hashes and
+//!   the public chain in one pass, ≈ 2.2 µs) is 18 k, the index walk 5.3 k, the rows and
+//!   their costs 13.3 k (≈ 100 per worker), the pick 1.3 k, and booking, freeing and the
+//!   answer ≈ 10 k, a third of it allocation. The 5 µs at 128 workers is not met
+//!   (5.6–7.8 µs in today's runs of the current code): 5 µs is ≈ 37 k instructions at this
+//!   machine's usual rate, and the fixed part (hashing, walk, booking) is ≈ 32 k of it.
 //! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
 //!   extended by host_pinned continuations, and sources whose prefix runs past it are not
 //!   eligible. Policy files are parsed by the app; the core takes the resulting
