@@ -219,14 +219,14 @@ impl RowHits {
     #[inline]
     pub(crate) fn at(&self, row: usize, key: WorkerKey) -> TierHits {
         if self.dense {
-            let device = match self.row_slot.get(row) {
-                Some(&slot) if slot != NO_SLOT => self.depths.depth(slot),
-                _ => 0,
-            };
-            return TierHits {
-                worker: key,
-                device,
-                ..TierHits::default()
+            return match self.row_slot.get(row) {
+                Some(&slot) if slot != NO_SLOT && self.depths.depth(slot) > 0 => TierHits {
+                    worker: key,
+                    device: self.depths.depth(slot),
+                    ..TierHits::default()
+                },
+                // As in the tiered form: a row without hits reads as all zero.
+                _ => TierHits::default(),
             };
         }
         match self.at_row.get(row) {
@@ -383,5 +383,76 @@ mod tests {
         assert_eq!(at(&hits, &roster, 0).device, 0);
         assert_eq!(at(&hits, &roster, 7), TierHits::default());
         assert_eq!(hits.of(&roster, WorkerKey::new(2, 0)), TierHits::default());
+    }
+
+    /// An operation of the dense-versus-tiered comparison: store a chain for a worker key,
+    /// remove a worker, or rebuild the roster from a subset of workers.
+    #[derive(Clone, Debug)]
+    enum Step {
+        Store(u8, u8, Vec<u8>),
+        Remove(u8),
+        Roster(Vec<(u8, u8)>),
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0u8..6, 0u8..2, prop::collection::vec(0u8..4, 1..6))
+                .prop_map(|(w, r, b)| Step::Store(w, r, b)),
+            1 => (0u8..6).prop_map(Step::Remove),
+            1 => prop::collection::vec((0u8..6, 1u8..3), 0..6).prop_map(Step::Roster),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+        /// The per-slot lookup and the tiered one put the same hits on every row, through
+        /// roster rebuilds, removals and slot reuse, with one `RowHits` each reused
+        /// throughout (so their cached maps are exercised, not rebuilt every time).
+        #[test]
+        fn dense_and_tiered_rows_agree(
+            steps in proptest::collection::vec(step(), 1..40),
+            queries in proptest::collection::vec(proptest::collection::vec(0u8..4, 1..6), 1..4),
+        ) {
+            use kv_types::{BlockHash, WorkerId};
+            let mut index = kv_index::KvIndex::with_block_size(4);
+            let mut roster = Roster::new([worker(0, 2), worker(1, 1)].into_iter().collect());
+            let (mut dense, mut tiered) = (RowHits::default(), RowHits::default());
+            for step in &steps {
+                match step {
+                    Step::Store(w, r, blocks) => {
+                        // Chains over a small alphabet share prefixes and branch.
+                        let blocks: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
+                        store(&mut index, WorkerKey::new(u64::from(*w), u32::from(*r)), &blocks);
+                    }
+                    Step::Remove(w) => index.remove_worker(WorkerId(u64::from(*w))),
+                    Step::Roster(members) => {
+                        roster = Roster::new(
+                            members
+                                .iter()
+                                .map(|&(w, ranks)| worker(u64::from(w), u32::from(ranks)))
+                                .collect(),
+                        );
+                    }
+                }
+                for q in &queries {
+                    let query: Vec<BlockHash> = q.iter().map(|&b| BlockHash(u64::from(b))).collect();
+                    dense.find(&index, &query, true);
+                    tiered.find(&index, &query, false);
+                    proptest::prop_assert!(dense.dense && !tiered.dense);
+                    dense.place(&roster);
+                    tiered.place(&roster);
+                    for (row, r) in roster.rows().iter().enumerate() {
+                        proptest::prop_assert_eq!(
+                            dense.at(row, r.key),
+                            tiered.at(row, r.key),
+                            "row {} ({:?}) after {:?}", row, r.key, step
+                        );
+                        proptest::prop_assert_eq!(dense.of(&roster, r.key), tiered.of(&roster, r.key));
+                    }
+                }
+            }
+        }
     }
 }
