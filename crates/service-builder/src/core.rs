@@ -822,8 +822,7 @@ impl SelectionCore {
         self.check_running()?;
         let partition = self.ready_partition(&req.partition)?;
         // What a stop for waiting must put back (the session code sets the affinity target).
-        let caller_id = req.selection_id.is_some();
-        let given_affinity = req.affinity_target;
+        let taken = Taken::from(&*req);
         let selection_id = match (req.selection_id.take(), book) {
             (Some(id), _) => Some(id),
             (None, true) => Some(new_uuid_v4(&self.rng_seed)),
@@ -842,12 +841,7 @@ impl SelectionCore {
                 let Some(held) = self.hold_session(&partition, table, sid, now, wait) else {
                     // The claim's row goes with the claim.
                     drop(claim);
-                    give_back(
-                        req,
-                        caller_id.then_some(selection_id).flatten(),
-                        given_affinity,
-                    );
-                    return Err(Stop::WouldWait);
+                    return Err(taken.give_back(req, selection_id));
                 };
                 session = held;
                 if let Some(target) = session.bound_target() {
@@ -870,12 +864,7 @@ impl SelectionCore {
                     // The session hold and the claim's row are released with their guards.
                     drop(session);
                     drop(claim);
-                    give_back(
-                        req,
-                        caller_id.then_some(selection_id).flatten(),
-                        given_affinity,
-                    );
-                    return Err(Stop::WouldWait);
+                    return Err(taken.give_back(req, selection_id));
                 }
             }
         };
@@ -2292,16 +2281,32 @@ fn settled<T>(r: Result<T, Stop>) -> Option<Result<T, SelectionError>> {
     }
 }
 
-/// Restores what a selection took from `req` before it stopped to avoid waiting: the
-/// caller's selection id (a generated one is dropped) and the affinity target the session
-/// code may have set.
-fn give_back(
-    req: &mut SelectRequest,
-    caller_id: Option<String>,
+/// What a selection may take from or change in its request before it stops to avoid
+/// waiting: whether the caller named the selection id, and the affinity target the
+/// session code may overwrite.
+#[derive(Clone, Copy)]
+struct Taken {
+    caller_id: bool,
     affinity: Option<selection_policy::AffinityTarget>,
-) {
-    req.selection_id = caller_id;
-    req.affinity_target = affinity;
+}
+
+impl From<&SelectRequest> for Taken {
+    fn from(req: &SelectRequest) -> Self {
+        Taken {
+            caller_id: req.selection_id.is_some(),
+            affinity: req.affinity_target,
+        }
+    }
+}
+
+impl Taken {
+    /// Puts the request back as it came (a generated `selection_id` is dropped, the
+    /// caller's restored) and answers the stop for waiting.
+    fn give_back(self, req: &mut SelectRequest, selection_id: Option<String>) -> Stop {
+        req.selection_id = selection_id.filter(|_| self.caller_id);
+        req.affinity_target = self.affinity;
+        Stop::WouldWait
+    }
 }
 
 struct SessionGuard<'p> {
