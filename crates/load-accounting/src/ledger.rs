@@ -342,7 +342,7 @@ impl Ledger {
                 isl: req.isl,
             });
         }
-        let rank = match slot {
+        let mut rank = match slot {
             SlotPolicy::CreateMissing => self.ranks.get_or_insert(req.worker),
             SlotPolicy::RequireRegistered => match self.ranks.get_mut(req.worker) {
                 Some(r) => r,
@@ -415,7 +415,7 @@ impl Ledger {
             return Err(LedgerError::InvalidDecayFraction { value: f });
         }
         let b = self.bookings.get_mut(id).ok_or_else(|| not_found(id))?;
-        let Some(rank) = self.ranks.get_mut(b.worker) else {
+        let Some(mut rank) = self.ranks.get_mut(b.worker) else {
             // Bookings never outlive their rank (remove_rank drops them).
             return Err(not_found(id));
         };
@@ -463,7 +463,7 @@ impl Ledger {
 
     fn release(&mut self, id: ReservationId, mut b: Booking) -> Freed {
         complete_prefill(&mut self.ranks, &mut b);
-        if let Some(rank) = self.ranks.get_mut(b.worker) {
+        if let Some(mut rank) = self.ranks.get_mut(b.worker) {
             if b.last_node != ROOT {
                 rank.release_path(b.last_node);
             }
@@ -538,7 +538,7 @@ impl Ledger {
 
     /// Current load of every registered rank (unordered).
     pub fn loads(&self) -> impl Iterator<Item = (WorkerKey, RankLoad)> + '_ {
-        self.ranks.iter().map(|(k, r)| (k, rank_load(r)))
+        self.ranks.load_rows().map(|(k, r)| (k, r.load()))
     }
 
     /// Registered ranks (unordered).
@@ -581,8 +581,16 @@ impl Ledger {
         tracking_hashes: &[SequenceHash],
         added_prefill_tokens: u64,
     ) -> PotentialLoad {
-        let (load, depth) = match self.ranks.get_at(slot, worker) {
-            Some(r) => (rank_load(r), r.overlap_depth(tracking_hashes)),
+        // The load column answers idle ranks alone; only a rank with live paths is walked.
+        let (load, depth) = match self.ranks.load_at(slot, worker) {
+            Some((row, s)) => {
+                let depth = if row.busy {
+                    self.overlap_depth_at(s, tracking_hashes)
+                } else {
+                    0
+                };
+                (row.load(), depth)
+            }
             None => (RankLoad::default(), 0),
         };
         let additional = (tracking_hashes.len() - depth) as u64;
@@ -594,6 +602,17 @@ impl Ledger {
             potential_decode_blocks: load.active_decode_blocks + additional,
             active_requests: load.active_requests,
         }
+    }
+}
+
+impl Ledger {
+    /// Out of line: the per-candidate projection inlines into the caller's loop, and most
+    /// candidates are idle.
+    #[inline(never)]
+    fn overlap_depth_at(&self, slot: u32, tracking_hashes: &[SequenceHash]) -> usize {
+        self.ranks
+            .state_at(slot)
+            .map_or(0, |r| r.overlap_depth(tracking_hashes))
     }
 }
 
@@ -610,7 +629,7 @@ fn complete_prefill(ranks: &mut RankTable, b: &mut Booking) -> bool {
         return false;
     }
     b.prefill_completed = true;
-    if let Some(rank) = ranks.get_mut(b.worker) {
+    if let Some(mut rank) = ranks.get_mut(b.worker) {
         rank.prefill_tokens -= b.prefill_tokens;
     }
     b.prefill_tokens = 0;

@@ -34,6 +34,12 @@
 //!   went stale (its rank removed, the slot reused) is detected by key and answered through
 //!   the index. With 128 candidates this took a selection from ≈ 96 to ≈ 25 instructions
 //!   per candidate for the projection (callgrind).
+//! - Beside the slab, a column of 40-byte load rows (key, the three totals, whether any
+//!   booking's path is live) is what the projection reads; a rank's state, two to three
+//!   cache lines, is read only when a path may overlap. Every mutable access to a rank goes
+//!   through a guard that rewrites the rank's row when dropped, so the column cannot lag
+//!   the state; the ledger proptest reads loads through the column, by stale, foreign and
+//!   missing slot hints, against the model.
 //! - Weights of exactly 1.0 are counted as integers; decayed weights go to one `f64` sum per
 //!   rank that is reset to 0 when its last term leaves, so undecayed load is exact forever.
 //! - Expiry scans all bookings: it runs at most every 30 s and 10 k bookings scan in

@@ -330,6 +330,11 @@ impl RankState {
         }
     }
 
+    /// Whether any booking's path is live on this rank.
+    pub(crate) fn has_paths(&self) -> bool {
+        !self.children.is_empty()
+    }
+
     /// Length of the longest prefix of `path` that is active on this rank.
     #[inline]
     pub(crate) fn overlap_depth(&self, path: &[SequenceHash]) -> usize {

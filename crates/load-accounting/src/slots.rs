@@ -1,14 +1,23 @@
-//! The ledger's ranks in a dense slab with a key index.
+//! The ledger's ranks in a dense slab with a key index, and a column of their loads.
 //!
 //! A selection reads every candidate rank's load; going through a hash map for each one
 //! costs a hash and a probe per candidate. Ranks live at stable slots instead, and a caller
 //! that keeps a rank's [`RankSlot`] (the service keeps one per roster row) reads it by
 //! index. A slot is reused only after its rank is removed, and every read through a slot
 //! checks the key, so a stale slot is noticed and answered through the index instead.
+//!
+//! What a selection reads of a rank (its key, its three totals and whether any booking is
+//! live on it) is also kept in a [`LoadRow`] column beside the slab: 40 contiguous bytes per
+//! rank instead of the rank's whole state, two or three cache lines apart from the next
+//! one's. Every mutable access goes through [`RankMut`], which rewrites the slot's row when
+//! it is dropped, so the column cannot fall behind the state it summarizes.
 
-use kv_types::WorkerKey;
+use std::ops::{Deref, DerefMut};
+
+use kv_types::{DpRank, WorkerId, WorkerKey};
 use rustc_hash::FxHashMap;
 
+use crate::RankLoad;
 use crate::rank::RankState;
 
 /// Where a registered rank lives in its ledger: a lookup hint, not an identity. It stays
@@ -22,9 +31,89 @@ struct Entry {
     state: RankState,
 }
 
+/// The part of a rank's state a selection reads for every candidate. The key is split into
+/// its two integers so that the flags fit in its padding (40 bytes, not 48).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LoadRow {
+    worker: u64,
+    rank: u32,
+    /// The slot holds a rank (a vacant slot's row never matches a key).
+    live: bool,
+    /// Some booking is live on the rank, so a path may overlap the request's.
+    pub(crate) busy: bool,
+    prefill_tokens: u64,
+    decode_blocks: u64,
+    requests: u64,
+}
+
+impl LoadRow {
+    fn of(key: WorkerKey, state: &RankState) -> Self {
+        Self {
+            worker: key.worker_id.0,
+            rank: key.dp_rank.0,
+            live: true,
+            busy: state.has_paths(),
+            prefill_tokens: state.prefill_tokens,
+            decode_blocks: state.decode_blocks(),
+            requests: state.requests,
+        }
+    }
+
+    #[inline(always)]
+    fn holds(&self, key: WorkerKey) -> bool {
+        self.live && self.worker == key.worker_id.0 && self.rank == key.dp_rank.0
+    }
+
+    #[inline(always)]
+    pub(crate) fn load(&self) -> RankLoad {
+        RankLoad {
+            active_prefill_tokens: self.prefill_tokens,
+            active_decode_blocks: self.decode_blocks,
+            active_requests: self.requests,
+        }
+    }
+
+    fn key(&self) -> WorkerKey {
+        WorkerKey {
+            worker_id: WorkerId(self.worker),
+            dp_rank: DpRank(self.rank),
+        }
+    }
+}
+
+/// Mutable access to one rank; rewrites the rank's [`LoadRow`] when dropped.
+#[derive(Debug)]
+pub(crate) struct RankMut<'a> {
+    key: WorkerKey,
+    state: &'a mut RankState,
+    row: &'a mut LoadRow,
+}
+
+impl Deref for RankMut<'_> {
+    type Target = RankState;
+
+    fn deref(&self) -> &RankState {
+        self.state
+    }
+}
+
+impl DerefMut for RankMut<'_> {
+    fn deref_mut(&mut self) -> &mut RankState {
+        self.state
+    }
+}
+
+impl Drop for RankMut<'_> {
+    fn drop(&mut self) {
+        *self.row = LoadRow::of(self.key, self.state);
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct RankTable {
     slots: Vec<Option<Entry>>,
+    /// `loads[s]` summarizes `slots[s]`; same length.
+    loads: Vec<LoadRow>,
     index: FxHashMap<WorkerKey, u32>,
     vacant: Vec<u32>,
 }
@@ -43,24 +132,48 @@ impl RankTable {
         self.slots[s as usize].as_ref().map(|e| &e.state)
     }
 
-    pub(crate) fn get_mut(&mut self, key: WorkerKey) -> Option<&mut RankState> {
+    pub(crate) fn get_mut(&mut self, key: WorkerKey) -> Option<RankMut<'_>> {
         let &s = self.index.get(&key)?;
-        self.slots[s as usize].as_mut().map(|e| &mut e.state)
+        let e = self.slots.get_mut(s as usize)?.as_mut()?;
+        let row = self.loads.get_mut(s as usize)?;
+        Some(RankMut {
+            key: e.key,
+            state: &mut e.state,
+            row,
+        })
     }
 
-    /// The rank at `slot` if it still holds `key`, else through the index.
-    #[inline]
-    pub(crate) fn get_at(&self, slot: Option<RankSlot>, key: WorkerKey) -> Option<&RankState> {
+    /// The load row of the rank at `slot` if it still holds `key`, else through the
+    /// index; with the slot it was read from, for [`RankTable::state_at`].
+    #[inline(always)]
+    pub(crate) fn load_at(
+        &self,
+        slot: Option<RankSlot>,
+        key: WorkerKey,
+    ) -> Option<(&LoadRow, u32)> {
         if let Some(RankSlot(s)) = slot
-            && let Some(Some(e)) = self.slots.get(s as usize)
-            && e.key == key
+            && let Some(row) = self.loads.get(s as usize)
+            && row.holds(key)
         {
-            return Some(&e.state);
+            return Some((row, s));
         }
-        self.get(key)
+        self.load_by_key(key)
     }
 
-    pub(crate) fn get_or_insert(&mut self, key: WorkerKey) -> &mut RankState {
+    /// Out of line: a selection's candidate loop inlines [`RankTable::load_at`], whose
+    /// hint is almost always current.
+    #[inline(never)]
+    fn load_by_key(&self, key: WorkerKey) -> Option<(&LoadRow, u32)> {
+        let &s = self.index.get(&key)?;
+        self.loads.get(s as usize).map(|row| (row, s))
+    }
+
+    /// The state at a slot [`RankTable::load_at`] returned.
+    pub(crate) fn state_at(&self, s: u32) -> Option<&RankState> {
+        self.slots.get(s as usize)?.as_ref().map(|e| &e.state)
+    }
+
+    pub(crate) fn get_or_insert(&mut self, key: WorkerKey) -> RankMut<'_> {
         let s = match self.index.get(&key) {
             Some(&s) => s,
             None => {
@@ -68,6 +181,7 @@ impl RankTable {
                     Some(s) => s,
                     None => {
                         self.slots.push(None);
+                        self.loads.push(LoadRow::default());
                         (self.slots.len() - 1) as u32
                     }
                 };
@@ -75,13 +189,17 @@ impl RankTable {
                 self.index.insert(key, s);
                 s
             }
-        };
-        // Occupied unless just allocated above.
-        let e = self.slots[s as usize].get_or_insert_with(|| Entry {
+        } as usize;
+        // Occupied unless just allocated above; the guard writes the new rank's row.
+        let e = self.slots[s].get_or_insert_with(|| Entry {
             key,
             state: RankState::default(),
         });
-        &mut e.state
+        RankMut {
+            key: e.key,
+            state: &mut e.state,
+            row: &mut self.loads[s],
+        }
     }
 
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(WorkerKey) -> bool) {
@@ -91,6 +209,7 @@ impl RankTable {
             {
                 self.index.remove(&e.key);
                 *slot = None;
+                self.loads[s] = LoadRow::default();
                 self.vacant.push(s as u32);
             }
         }
@@ -99,11 +218,59 @@ impl RankTable {
     pub(crate) fn iter(&self) -> impl Iterator<Item = (WorkerKey, &RankState)> + '_ {
         self.slots.iter().flatten().map(|e| (e.key, &e.state))
     }
+
+    /// Every live load row with its key (unordered).
+    pub(crate) fn load_rows(&self) -> impl Iterator<Item = (WorkerKey, &LoadRow)> + '_ {
+        self.loads.iter().filter(|r| r.live).map(|r| (r.key(), r))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn requests_at(t: &RankTable, slot: Option<RankSlot>, key: WorkerKey) -> Option<u64> {
+        t.load_at(slot, key).map(|(row, _)| row.requests)
+    }
+
+    #[test]
+    fn every_mutable_access_rewrites_the_load_row() {
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(1, 1));
+        let mut t = RankTable::default();
+        {
+            let mut r = t.get_or_insert(a);
+            r.requests = 2;
+            r.prefill_tokens = 40;
+            r.add_weight(1.0, 3);
+            r.add_weight(0.5, 3);
+        }
+        t.get_or_insert(b);
+        if let Some(mut r) = t.get_mut(b) {
+            r.requests = 1;
+        }
+        let rows: Vec<(WorkerKey, u64, u64, u64, bool)> = {
+            let mut v: Vec<_> = t
+                .load_rows()
+                .map(|(k, r)| {
+                    let l = r.load();
+                    (
+                        k,
+                        l.active_prefill_tokens,
+                        l.active_decode_blocks,
+                        l.active_requests,
+                        r.busy,
+                    )
+                })
+                .collect();
+            v.sort_by_key(|x| x.0);
+            v
+        };
+        // 3 full blocks plus 3 × 0.5 = 4.5, rounded half away from zero.
+        assert_eq!(rows, vec![(a, 40, 5, 2, false), (b, 0, 0, 1, false)]);
+        t.retain(|k| k != a);
+        assert_eq!(t.load_rows().count(), 1);
+        assert!(t.load_at(None, a).is_none());
+    }
 
     #[test]
     fn slots_are_stable_and_reused_only_after_removal() {
@@ -123,16 +290,16 @@ mod tests {
 
         t.retain(|k| k != a);
         assert!(!t.contains(a));
-        assert_eq!(t.get_at(sa, a).map(|r| r.requests), None);
+        assert_eq!(requests_at(&t, sa, a), None);
         // `c` takes `a`'s old slot; reading it as `a` must not see `c`.
         t.get_or_insert(c).requests = 3;
         assert_eq!(t.slot(c), sa);
-        assert!(t.get_at(sa, a).is_none());
-        assert_eq!(t.get_at(sa, c).map(|r| r.requests), Some(3));
+        assert!(t.load_at(sa, a).is_none());
+        assert_eq!(requests_at(&t, sa, c), Some(3));
         // A wrong or missing hint still finds the rank by key.
-        assert_eq!(t.get_at(sa, b).map(|r| r.requests), Some(2));
-        assert_eq!(t.get_at(None, b).map(|r| r.requests), Some(2));
-        assert_eq!(t.get_at(Some(RankSlot(99)), b).map(|r| r.requests), Some(2));
+        assert_eq!(requests_at(&t, sa, b), Some(2));
+        assert_eq!(requests_at(&t, None, b), Some(2));
+        assert_eq!(requests_at(&t, Some(RankSlot(99)), b), Some(2));
         let mut keys: Vec<WorkerKey> = t.iter().map(|(k, _)| k).collect();
         keys.sort();
         assert_eq!(keys, vec![b, c]);

@@ -120,6 +120,14 @@ pub trait CandidateRows {
     fn as_slice(&self) -> Option<&[Candidate]> {
         None
     }
+
+    /// Whether every row has only device hits (no host, disk or shared-beyond blocks) and a
+    /// preferred-taint multiplier of 1, so that scoring may skip those terms. A table
+    /// built from an index without lower tiers and a request without taint rules can say
+    /// so; saying it of other rows gives wrong costs (checked in debug builds).
+    fn device_only(&self) -> bool {
+        false
+    }
 }
 
 impl CandidateRows for [Candidate] {

@@ -51,11 +51,11 @@ impl Scorer for DefaultScorer {
             // Dividing by a power of two and multiplying by its reciprocal are both exact.
             if ctx.block_size.max(1).is_power_of_two() {
                 for (c, out) in candidates.iter().zip(costs.iter_mut()) {
-                    *out = self.tracked_cost::<true>(&tracked, c);
+                    *out = self.tracked_cost::<true, false>(&tracked, c);
                 }
             } else {
                 for (c, out) in candidates.iter().zip(costs.iter_mut()) {
-                    *out = self.tracked_cost::<false>(&tracked, c);
+                    *out = self.tracked_cost::<false, false>(&tracked, c);
                 }
             }
             return Ok(());
@@ -107,22 +107,27 @@ impl DefaultScorer {
         match rows.as_slice() {
             Some(slice) if pow2 => {
                 for (c, out) in slice.iter().zip(costs.iter_mut()) {
-                    *out = self.tracked_cost::<true>(&tracked, c);
+                    *out = self.tracked_cost::<true, false>(&tracked, c);
                 }
             }
             Some(slice) => {
                 for (c, out) in slice.iter().zip(costs.iter_mut()) {
-                    *out = self.tracked_cost::<false>(&tracked, c);
+                    *out = self.tracked_cost::<false, false>(&tracked, c);
+                }
+            }
+            None if pow2 && rows.device_only() => {
+                for (i, out) in costs.iter_mut().enumerate() {
+                    *out = self.tracked_cost::<true, true>(&tracked, &rows.row(i));
                 }
             }
             None if pow2 => {
                 for (i, out) in costs.iter_mut().enumerate() {
-                    *out = self.tracked_cost::<true>(&tracked, &rows.row(i));
+                    *out = self.tracked_cost::<true, false>(&tracked, &rows.row(i));
                 }
             }
             None => {
                 for (i, out) in costs.iter_mut().enumerate() {
-                    *out = self.tracked_cost::<false>(&tracked, &rows.row(i));
+                    *out = self.tracked_cost::<false, false>(&tracked, &rows.row(i));
                 }
             }
         }
@@ -268,19 +273,39 @@ impl DefaultScorer {
     /// when it can exceed `isl`: below that, `active + isl − min(isl, cached) + cached` is
     /// `active + isl`.
     #[inline(always)]
-    fn tracked_cost<const POW2_BLOCK: bool>(&self, t: &Tracked, c: &Candidate) -> f64 {
+    ///
+    /// `DEVICE_ONLY` is the promise of [`CandidateRows::device_only`]: the lower-tier and
+    /// shared terms are zero and the taint multiplier is 1, so they are not read.
+    fn tracked_cost<const POW2_BLOCK: bool, const DEVICE_ONLY: bool>(
+        &self,
+        t: &Tracked,
+        c: &Candidate,
+    ) -> f64 {
         let cache = &c.cache;
-        let lower =
-            self.w_host * f64::from(cache.host_blocks) + self.w_disk * f64::from(cache.disk_blocks);
+        debug_assert!(
+            !DEVICE_ONLY
+                || (cache.host_blocks == 0
+                    && cache.disk_blocks == 0
+                    && cache.shared_beyond_blocks == 0
+                    && c.preferred_taint_multiplier == 1.0),
+            "a device-only row has lower-tier, shared or taint terms"
+        );
+        let lower = if DEVICE_ONLY {
+            0.0
+        } else {
+            self.w_host * f64::from(cache.host_blocks) + self.w_disk * f64::from(cache.disk_blocks)
+        };
         let device = f64::from(cache.device_blocks);
         let device_blocks = if t.has_tier_data {
             device
         } else {
             device + lower
         };
-        let credit_blocks = t.credit * device_blocks
-            + lower
-            + t.shared_mult * f64::from(cache.shared_beyond_blocks);
+        let credit_blocks = if DEVICE_ONLY {
+            t.credit * device_blocks
+        } else {
+            t.credit * device_blocks + lower + t.shared_mult * f64::from(cache.shared_beyond_blocks)
+        };
         let (raw_tokens, decode_blocks, request_cost) = match c.load {
             None => (t.isl, 0.0, 0.0),
             Some(l) => {
@@ -305,7 +330,7 @@ impl DefaultScorer {
         };
         let adjusted = (raw_blocks - credit_blocks).max(0.0);
         let mut cost = t.scale * adjusted + decode_blocks + request_cost;
-        if t.apply_taint {
+        if t.apply_taint && !DEVICE_ONLY {
             cost *= c.preferred_taint_multiplier;
         }
         cost

@@ -2511,6 +2511,11 @@ impl CandidateRows for RosterRows<'_> {
         self.inputs
             .candidate(i, rr, self.hits, self.ledger, self.tracking, 0.0)
     }
+
+    /// Per-slot hits are device hits only, and these rows carry no taint weight.
+    fn device_only(&self) -> bool {
+        self.hits.is_dense()
+    }
 }
 
 /// The candidates a request's allow-list and required taints admit, with their

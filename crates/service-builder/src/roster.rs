@@ -214,6 +214,11 @@ impl RowHits {
         }
     }
 
+    /// Whether the last lookup took the per-slot form (device hits only).
+    pub(crate) fn is_dense(&self) -> bool {
+        self.dense
+    }
+
     /// The hits of row `row` (whose worker key is `key`) of the roster last placed (zero
     /// when it matched nothing).
     #[inline]

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use kv_types::{SequenceHash, WorkerId, WorkerKey};
 use load_accounting::{
-    BookRequest, Ledger, LedgerConfig, LedgerError, LoadHandle, RankLoad, SharedLedger, SlotPolicy,
+    BookRequest, Ledger, LedgerConfig, LedgerError, LoadHandle, RankLoad, RankSlot, SharedLedger,
+    SlotPolicy,
 };
 use proptest::prelude::*;
 
@@ -139,6 +140,9 @@ proptest! {
         let mut clock = 0u64;
         let mut ledger = Ledger::new(LedgerConfig { expiry: Duration::from_secs(expiry) });
         let mut model = Model::default();
+        // Slot hints kept from a rank's first sighting: they go stale when its worker is
+        // removed and the slot is reused, as the service's roster rows do.
+        let mut hints: [Option<RankSlot>; 4] = [None; 4];
         for op in ops {
             let now = t0 + Duration::from_secs(clock);
             match op {
@@ -240,6 +244,21 @@ proptest! {
                     })
                     .unwrap_or(0);
                 prop_assert_eq!(ledger.overlap_depth(key(rank), &probe), depth);
+                // The projection reads the load column: through the rank's own (maybe stale)
+                // hint, another rank's hint and none, it must agree with the model.
+                let slot = ledger.rank_slot(key(rank));
+                if hints[rank as usize].is_none() { hints[rank as usize] = slot; }
+                for hint in [hints[rank as usize], hints[(rank as usize + 1) % 4], None, slot] {
+                    let p = ledger.potential_load_at(hint, key(rank), &probe, 7);
+                    prop_assert_eq!(p.active_prefill_tokens, want.active_prefill_tokens);
+                    prop_assert_eq!(p.potential_prefill_tokens, want.active_prefill_tokens + 7);
+                    prop_assert_eq!(p.active_requests, want.active_requests);
+                    prop_assert_eq!(p.active_decode_blocks, want.active_decode_blocks);
+                    prop_assert_eq!(
+                        p.potential_decode_blocks,
+                        want.active_decode_blocks + (probe.len() - depth) as u64
+                    );
+                }
             }
         }
     }

@@ -240,13 +240,16 @@ fn builtin_policy_matches_its_parts_composed() {
         let mut fused_rounds = 0;
         for round in 0..2_000 {
             let n = 1 + next(6) as usize;
+            // A third of the tables have device hits only and say so, which the fused
+            // path scores without the lower-tier terms.
+            let device_only = next(3) == 0;
             let rows: Vec<Candidate> = (0..n as u64)
                 .map(|i| Candidate {
                     cache: CacheInputs {
                         device_blocks: next(40) as u32,
-                        host_blocks: next(4) as u32,
-                        disk_blocks: next(4) as u32,
-                        shared_beyond_blocks: next(2) as u32,
+                        host_blocks: if device_only { 0 } else { next(4) as u32 },
+                        disk_blocks: if device_only { 0 } else { next(4) as u32 },
+                        shared_beyond_blocks: if device_only { 0 } else { next(2) as u32 },
                     },
                     // Equal loads now and then, so ties and uniform picks happen too.
                     load: (next(5) > 0).then(|| LoadInputs {
@@ -277,7 +280,7 @@ fn builtin_policy_matches_its_parts_composed() {
             assert_eq!(s1.costs(), s2.costs(), "round {round}");
             // The same table read row by row: scored as built (built-in policy, nothing
             // restricting it, common configuration) or collected first, same answer.
-            let lazy = CountedRows::new(&rows);
+            let lazy = CountedRows::new(&rows, device_only);
             let d = builtin.select_rows(&c, &lazy, &mut s3, &mut r3);
             assert_eq!(a, d, "round {round}");
             if c.pinned.is_none() && c.affinity.is_none() && c.track_prefill_tokens {
@@ -297,13 +300,15 @@ fn builtin_policy_matches_its_parts_composed() {
 struct CountedRows<'a> {
     rows: &'a [Candidate],
     reads: std::cell::Cell<usize>,
+    device_only: bool,
 }
 
 impl<'a> CountedRows<'a> {
-    fn new(rows: &'a [Candidate]) -> Self {
+    fn new(rows: &'a [Candidate], device_only: bool) -> Self {
         Self {
             rows,
             reads: std::cell::Cell::new(0),
+            device_only,
         }
     }
 }
@@ -316,6 +321,10 @@ impl CandidateRows for CountedRows<'_> {
     fn row(&self, i: usize) -> Candidate {
         self.reads.set(self.reads.get() + 1);
         self.rows[i]
+    }
+
+    fn device_only(&self) -> bool {
+        self.device_only
     }
 }
 
