@@ -1302,17 +1302,30 @@ impl SelectionCore {
             // Every roster row is a candidate: the policy reads them straight from the roster,
             // the hits and the ledger (which stays locked while it does).
             let ledger = partition.ledger.lock();
-            let rows = RosterRows {
-                inputs: &inputs,
-                roster: &workers,
-                hits: &scratch.hits,
-                ledger: &ledger,
-                tracking: &scratch.tracking,
-            };
             let mut rng = partition.rng.lock();
-            partition
-                .policy
-                .select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
+            if scratch.hits.is_dense() {
+                let rows = RosterRows::<true> {
+                    inputs: &inputs,
+                    roster: &workers,
+                    hits: &scratch.hits,
+                    ledger: &ledger,
+                    tracking: &scratch.tracking,
+                };
+                partition
+                    .policy
+                    .select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
+            } else {
+                let rows = RosterRows::<false> {
+                    inputs: &inputs,
+                    roster: &workers,
+                    hits: &scratch.hits,
+                    ledger: &ledger,
+                    tracking: &scratch.tracking,
+                };
+                partition
+                    .policy
+                    .select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
+            }
         } else {
             filter_candidates(
                 &inputs,
@@ -2456,14 +2469,12 @@ impl RowInputs {
     #[inline(always)]
     fn candidate(
         &self,
-        row: usize,
         rr: &RosterRow,
-        hits: &RowHits,
+        hits: TierHits,
         ledger: &Ledger,
         tracking: &[SequenceHash],
         taint_weight: f32,
     ) -> Candidate {
-        let hits = hits.at(row, rr.key);
         let cache = CacheInputs {
             device_blocks: hits.device,
             host_blocks: hits.host_pinned,
@@ -2491,8 +2502,9 @@ impl RowInputs {
     }
 }
 
-/// Every roster row as a candidate, built when the policy reads it.
-struct RosterRows<'a> {
+/// Every roster row as a candidate, built when the policy reads it. `DENSE`: the hits
+/// are in the per-slot form ([`RowHits::is_dense`]), read without checking which form.
+struct RosterRows<'a, const DENSE: bool> {
     inputs: &'a RowInputs,
     roster: &'a Roster,
     hits: &'a RowHits,
@@ -2500,7 +2512,7 @@ struct RosterRows<'a> {
     tracking: &'a [SequenceHash],
 }
 
-impl CandidateRows for RosterRows<'_> {
+impl<const DENSE: bool> CandidateRows for RosterRows<'_, DENSE> {
     fn len(&self) -> usize {
         self.roster.rows().len()
     }
@@ -2508,13 +2520,22 @@ impl CandidateRows for RosterRows<'_> {
     #[inline(always)]
     fn row(&self, i: usize) -> Candidate {
         let rr = &self.roster.rows()[i];
+        let hits = if DENSE {
+            TierHits {
+                worker: rr.key,
+                device: self.hits.dense_depth(i),
+                ..TierHits::default()
+            }
+        } else {
+            self.hits.at(i, rr.key)
+        };
         self.inputs
-            .candidate(i, rr, self.hits, self.ledger, self.tracking, 0.0)
+            .candidate(rr, hits, self.ledger, self.tracking, 0.0)
     }
 
     /// Per-slot hits are device hits only, and these rows carry no taint weight.
     fn device_only(&self) -> bool {
-        self.hits.is_dense()
+        DENSE
     }
 }
 
@@ -2556,7 +2577,7 @@ fn filter_candidates(
                 .map(|(_, w)| *w)
                 .sum();
         }
-        out.push(inputs.candidate(row, rr, hits, ledger, tracking, taint_weight));
+        out.push(inputs.candidate(rr, hits.at(row, rr.key), ledger, tracking, taint_weight));
     }
 }
 

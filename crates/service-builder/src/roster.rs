@@ -219,6 +219,16 @@ impl RowHits {
         self.dense
     }
 
+    /// Device hits of row `row` in the per-slot form (the caller checked
+    /// [`RowHits::is_dense`]): the depth at the row's slot, 0 for a row without one.
+    #[inline(always)]
+    pub(crate) fn dense_depth(&self, row: usize) -> u32 {
+        // `NO_SLOT` is past the end of every depth table, so it reads as 0.
+        self.row_slot
+            .get(row)
+            .map_or(0, |&slot| self.depths.depth(slot))
+    }
+
     /// The hits of row `row` (whose worker key is `key`) of the roster last placed (zero
     /// when it matched nothing).
     #[inline]
