@@ -11,6 +11,9 @@ use std::collections::hash_map::Entry;
 use kv_types::SequenceHash;
 use rustc_hash::FxHashMap;
 
+/// Largest run buffer (in hashes, 32 KiB) a rank keeps as its spare.
+const SPARE_RUN_CAPACITY: usize = 4096;
+
 /// Parent of first-level segments (the trie root is implicit); also the handle of an empty
 /// path.
 pub(crate) const ROOT: u32 = u32::MAX;
@@ -46,6 +49,10 @@ struct Segment {
 pub(crate) struct RankState {
     segments: Vec<Segment>,
     free_segments: Vec<u32>,
+    /// The run buffer of the last freed segment, kept for the next new leaf: a rank that
+    /// books and frees prompts in turn reuses one buffer instead of allocating and freeing
+    /// a run per booking. At most one per rank, of at most [`SPARE_RUN_CAPACITY`] hashes.
+    spare_run: Vec<SequenceHash>,
     /// Edge `(parent, first hash of the child) -> child`. Keying by parent keeps two
     /// different prefixes that happen to end in the same hash apart, so arbitrary
     /// peer-supplied chains are safe. One entry per live segment.
@@ -145,9 +152,25 @@ impl RankState {
     }
 
     fn free(&mut self, id: u32) {
-        // Dropping the run gives its buffer back: a rank's memory follows its live bookings.
-        self.segments[id as usize] = Segment::default();
+        // The run's buffer goes back to the allocator, but for one spare per rank: a rank's
+        // memory follows its live bookings.
+        let run = std::mem::take(&mut self.segments[id as usize]).hashes;
+        if run.capacity() <= SPARE_RUN_CAPACITY && run.capacity() > self.spare_run.capacity() {
+            self.spare_run = run;
+        }
         self.free_segments.push(id);
+    }
+
+    /// A buffer holding `run`: the spare one when it is large enough.
+    fn run_buffer(&mut self, run: &[SequenceHash]) -> Vec<SequenceHash> {
+        if self.spare_run.capacity() >= run.len() {
+            let mut buffer = std::mem::take(&mut self.spare_run);
+            buffer.clear();
+            buffer.extend_from_slice(run);
+            buffer
+        } else {
+            run.to_vec()
+        }
     }
 
     /// Records `old` -> `new` in `parent`'s child set (`old` or `new` may be `ROOT` for
@@ -170,8 +193,9 @@ impl RankState {
     /// Fills slot `id` with a segment holding `run` for one booking ending in it, under
     /// `parent`; the caller inserts the edge.
     fn fill_leaf(&mut self, id: u32, parent: u32, run: &[SequenceHash]) {
+        let hashes = self.run_buffer(run);
         self.segments[id as usize] = Segment {
-            hashes: run.to_vec(),
+            hashes,
             parent,
             holders: 1,
             ends: 1,

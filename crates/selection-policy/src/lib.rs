@@ -64,6 +64,15 @@
 //!   the request takes the scorer's common configuration; anything else collects the rows
 //!   and runs filters, scorers and picker as before. A test checks both entry points
 //!   against the composed policy over 2,000 random tables.
+//! - A table may promise [`CandidateRows::device_only`]: no host, disk or shared-beyond
+//!   blocks and a taint multiplier of 1 on every row (the service's per-slot hits). The
+//!   fused pass then drops those terms, which are exact zeros and an exact 1 otherwise, so
+//!   the costs are bit for bit the same (the random-table test marks a third of its tables
+//!   so; debug builds assert the promise on every row). With the service's other changes
+//!   this took its 128-row loop from ≈ 100 to ≈ 80 instructions per row (callgrind).
+//! - The finiteness check folds over tables above 8 rows without an early exit, which
+//!   vectorizes, and searches for the failing row only when there is one: −465
+//!   instructions at 128 rows, +3 at two (small tables keep the plain search).
 //! - Temperature 0 finds the minimum in one pass and looks for rows tying it only after
 //!   it, drawing one number when the minimum is tied (and none otherwise). The earlier
 //!   single pass drew at every row tying the running minimum: idle workers tie on a cost

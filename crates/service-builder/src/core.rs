@@ -118,6 +118,9 @@ pub(crate) struct Partition {
     pub(crate) block_size: u32,
     pub(crate) is_eagle: bool,
     pub(crate) index: RwLock<KvIndex>,
+    /// The index records routing decisions (approximate mode or a predicted-TTL side
+    /// index): fixed when the index is built, so bookings without it take no index lock.
+    records_decisions: bool,
     ledger: Mutex<Ledger>,
     policy: Policy,
     /// Schedulable workers by id, replaced wholesale on every catalog commit.
@@ -638,11 +641,13 @@ impl SelectionCore {
             .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
         let mut icfg = index_config(router);
         icfg.block_size = block_size;
+        let index = KvIndex::new(&icfg, Instant::now());
         let p = Arc::new(Partition {
             key: key.clone(),
             block_size,
             is_eagle,
-            index: RwLock::new(KvIndex::new(&icfg, Instant::now())),
+            records_decisions: records_decisions(&index),
+            index: RwLock::new(index),
             ledger: Mutex::new(Ledger::new(LedgerConfig {
                 expiry: self.config.active_request_expiry,
             })),
@@ -903,7 +908,7 @@ impl SelectionCore {
                 kv_hint = self.kv_hint(&partition, &scratch, selection.worker, id);
                 self.publish_booking(&partition, &booking, binding);
             } else if let Some(id) = &selection_id {
-                let retained = if records_decisions(&partition.index.read()) {
+                let retained = if partition.records_decisions {
                     scratch.blocks.clone()
                 } else {
                     Vec::new()
@@ -956,6 +961,10 @@ impl SelectionCore {
         chosen: WorkerKey,
         id: &str,
     ) -> Option<crate::KvHint> {
+        // Checked before any lock: hints name event-driven holders only.
+        if !self.config.router.use_kv_events || partition.records_decisions {
+            return None;
+        }
         let workers = partition.workers.read();
         fn hint_type(w: &WorkerEntry) -> Option<&str> {
             w.record
@@ -965,9 +974,6 @@ impl SelectionCore {
         }
         let target_type = hint_type(workers.get(&chosen.worker_id.0)?)?;
         let index = partition.index.read();
-        if !self.config.router.use_kv_events || records_decisions(&index) {
-            return None;
-        }
         let beat = scratch.hits.of(&workers, chosen).cpu();
         // Owners whose prefix runs past the root-aligned chain cannot be named by it
         // (§4.8 step 1 keeps only entries up to the chain's length).
@@ -1485,7 +1491,7 @@ impl SelectionCore {
             })?;
             scratch.blocks.clear();
             if let Some(blocks) = &prompt.block_hashes {
-                if records_decisions(&partition.index.read()) {
+                if partition.records_decisions {
                     check_hash_only(blocks, seqs, isl)?;
                 }
                 scratch.blocks.extend(blocks.iter().map(|&h| BlockHash(h)));
@@ -1507,16 +1513,14 @@ impl SelectionCore {
         blocks: &[BlockHash],
         chain: Option<&[SequenceHash]>,
     ) {
-        if blocks.is_empty() {
+        if blocks.is_empty() || !partition.records_decisions {
             return;
         }
         let mut index = partition.index.write();
-        if records_decisions(&index) {
-            match chain {
-                Some(seqs) => index.record_decision_chained(worker, blocks, seqs, Instant::now()),
-                None => index.record_decision(worker, blocks, Instant::now()),
-            };
-        }
+        match chain {
+            Some(seqs) => index.record_decision_chained(worker, blocks, seqs, Instant::now()),
+            None => index.record_decision(worker, blocks, Instant::now()),
+        };
     }
 
     // ---------------------------------------------------------------- reservations
