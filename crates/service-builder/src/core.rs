@@ -1531,32 +1531,28 @@ impl SelectionCore {
         partition: &Arc<Partition>,
     ) -> Result<Claim<'a>, SelectionError> {
         let mut rows = self.reservations.lock();
-        if rows.contains_key(id) {
+        let len = rows.len();
+        // One probe: the entry is the conflict check and the insert.
+        let std::collections::hash_map::Entry::Vacant(slot) = rows.entry(id.to_owned()) else {
             return Err(SelectionError::conflict(format!(
                 "selection {id} is already reserved or being reserved"
             )));
-        }
+        };
         if let Some(max) = self.config.max_active_reservations
-            && rows.len() >= max
+            && len >= max
         {
             self.metrics.reservations_rejected_full.inc();
             return Err(SelectionError::new(
                 crate::ErrorKind::ResourceExhausted,
                 429,
-                format!(
-                    "active reservation limit reached (current={}, limit={max})",
-                    rows.len()
-                ),
+                format!("active reservation limit reached (current={len}, limit={max})"),
             ));
         }
-        rows.insert(
-            id.to_owned(),
-            ReservationRow {
-                partition: Arc::clone(partition),
-                state: RowState::Claimed,
-                session: None,
-            },
-        );
+        slot.insert(ReservationRow {
+            partition: Arc::clone(partition),
+            state: RowState::Claimed,
+            session: None,
+        });
         Ok(Claim {
             core: self,
             id,
@@ -1816,16 +1812,15 @@ impl SelectionCore {
 
     fn forget_row(&self, id: &str) {
         let mut rows = self.reservations.lock();
-        if matches!(
-            rows.get(id),
-            Some(ReservationRow {
-                state: RowState::Booked,
-                ..
-            })
-        ) && let Some(row) = rows.remove(id)
-        {
+        // One probe in the usual case (a booked row); a claimed row goes back.
+        let Some((key, row)) = rows.remove_entry(id) else {
+            return;
+        };
+        if matches!(row.state, RowState::Booked) {
             drop(rows);
             row.release_session(Instant::now());
+        } else {
+            rows.insert(key, row);
         }
     }
 
