@@ -128,29 +128,48 @@
 //!   (`select/10_partitions_of_120`).
 //! - Cost (`cargo bench -p benches --bench service`, default event-driven config, block size
 //!   16, 2-core VM, criterion medians), select_and_reserve + free, 256 / 4,096-token
-//!   prompts, three runs on the afternoon of 2026-11-30:
-//!   - 8 workers: 1.5–1.9 / 4.0–4.1 µs;
-//!   - 64 workers: 2.2–3.1 / 5.1–6.3 µs;
-//!   - 128 workers: 2.9–3.7 / 5.9–7.1 µs;
-//!   - 512 workers: 9.0–10.4 / 9.3–14.2 µs;
-//!   - approximate mode, 128 workers / 4,096 tokens: 6.2–7.7 µs.
+//!   prompts, ranges over six runs in the later session (three at its first commit, three
+//!   at its last; the machine's speed moved more than the code did):
+//!   - 8 workers: 1.5–2.5 / 3.7–5.5 µs;
+//!   - 64 workers: 2.3–3.3 / 4.7–8.2 µs;
+//!   - 128 workers: 2.6–4.3 / 5.6–7.7 µs;
+//!   - 512 workers: 6.9–11.8 / 9.5–13.5 µs;
+//!   - approximate mode, 128 workers / 4,096 tokens: 6.2–7.9 µs.
 //!
-//!   Three runs interleaved with the morning's code (4,096 tokens, medians): 8 workers
-//!   5.6 → 4.7 µs, 128 workers 9.0 → 6.1 µs, 512 workers 21.4 → 13.5 µs, approximate
-//!   17.4 → 7.9 µs. Callgrind per booking + free, morning → now: 8 workers 33.9 k →
-//!   32.4 k instructions, 128 workers 69.4 k → 47.9 k, 512 workers 143 k → 97.7 k,
-//!   approximate at 128 workers 128 k → 53 k. The steps: rows read on demand and costed
-//!   as they are built (69.4 k → 59.2 k at 128 workers), one depth per index slot instead
-//!   of an entry per matching worker (→ 49.2 k), the temperature-0 minimum without a draw
-//!   per tie (→ 47.9 k); in approximate mode, recorded chains the worker already holds are
+//!   The first session's figures, for the record. Three runs interleaved with the
+//!   morning's code (4,096 tokens, medians): 8 workers 5.6 → 4.7 µs, 128 workers
+//!   9.0 → 6.1 µs, 512 workers 21.4 → 13.5 µs, approximate 17.4 → 7.9 µs. Callgrind per
+//!   booking + free, morning → now: 8 workers 33.9 k → 32.4 k instructions, 128 workers
+//!   69.4 k → 47.9 k, 512 workers 143 k → 97.7 k, approximate at 128 workers
+//!   128 k → 53 k. The steps: rows read on demand and costed as they are built
+//!   (69.4 k → 59.2 k at 128 workers), one depth per index slot instead of an entry per
+//!   matching worker (→ 49.2 k), the temperature-0 minimum without a draw per tie
+//!   (→ 47.9 k); in approximate mode, recorded chains the worker already holds are
 //!   skipped (see kv-index; a repeated prompt is that change's best case).
 //!
 //!   Of the 47.9 k at 128 workers and 4,096 tokens, hashing the prompt (block hashes and
 //!   the public chain in one pass, ≈ 2.2 µs) is 18 k, the index walk 5.3 k, the rows and
 //!   their costs 13.3 k (≈ 100 per worker), the pick 1.3 k, and booking, freeing and the
-//!   answer ≈ 10 k, a third of it allocation. The 5 µs at 128 workers is not met
-//!   (5.6–7.8 µs in today's runs of the current code): 5 µs is ≈ 37 k instructions at this
-//!   machine's usual rate, and the fixed part (hashing, walk, booking) is ≈ 32 k of it.
+//!   answer ≈ 10 k, a third of it allocation.
+//! - A later session took callgrind per booking + free (4,096 tokens) from 32.6 k / 40.0 k
+//!   / 48.3 k / 98.0 k to 31.9 k / 37.9 k / 44.5 k / 85.2 k instructions at 8 / 64 / 128 /
+//!   512 workers, and approximate mode at 128 workers from 53.0 k to 48.9 k. The steps:
+//!   the ledger's load column (the projection reads 40 contiguous bytes per rank, not the
+//!   rank's state), device-only scoring of per-slot hits (no lower-tier or taint terms),
+//!   a vectorized finiteness check, one reused run buffer per ledger rank, and one map
+//!   probe each to claim an id and to forget a booked row. A booking in a partition that
+//!   does not record decisions (the event-driven default) no longer takes the index's
+//!   write lock. The row loop is ≈ 80 instructions per worker, hashing 18.4 k, the walk
+//!   5.4 k. Tried and dropped: reading the loads into columns under the ledger lock and
+//!   costing them after releasing it (+0.6 k to +1.3 k instructions at 128 workers: the
+//!   checked read of each rank costs as much as the fused pass saves).
+//! - The 5 µs at 128 workers and 4,096 tokens is not met on this machine:
+//!   criterion medians were 5.6–7.8 µs in the first session's runs and 5.6–7.7 µs in the
+//!   later one's, while the machine's speed moved by up to 40 % within an hour (the same
+//!   binary hashed 4,096 tokens in 1.6–2.3 µs). Hashing alone is ≈ 40 % of the
+//!   instructions and is at the floor of safe scalar XXH3 (≈ 67 instructions per 16-token
+//!   block and its chain link); 5 µs would need ≈ 37 k instructions at this machine's
+//!   usual rate.
 //! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
 //!   extended by host_pinned continuations, and sources whose prefix runs past it are not
 //!   eligible. Policy files are parsed by the app; the core takes the resulting
