@@ -234,6 +234,12 @@ mod tests {
     }
 
     #[test]
+    fn a_load_row_is_40_bytes() {
+        // The flags sit in the key's padding; the projection reads one row per candidate.
+        assert_eq!(std::mem::size_of::<LoadRow>(), 40);
+    }
+
+    #[test]
     fn every_mutable_access_rewrites_the_load_row() {
         let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(1, 1));
         let mut t = RankTable::default();

@@ -1308,29 +1308,19 @@ impl SelectionCore {
             // Every roster row is a candidate: the policy reads them straight from the roster,
             // the hits and the ledger (which stays locked while it does).
             let ledger = partition.ledger.lock();
+            let rows = RosterRows::<false> {
+                inputs: &inputs,
+                roster: &workers,
+                hits: &scratch.hits,
+                ledger: &ledger,
+                tracking: &scratch.tracking,
+            };
             let mut rng = partition.rng.lock();
+            let policy = &partition.policy;
             if scratch.hits.is_dense() {
-                let rows = RosterRows::<true> {
-                    inputs: &inputs,
-                    roster: &workers,
-                    hits: &scratch.hits,
-                    ledger: &ledger,
-                    tracking: &scratch.tracking,
-                };
-                partition
-                    .policy
-                    .select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
+                policy.select_rows(&ctx, &rows.per_slot(), &mut scratch.policy, &mut rng)
             } else {
-                let rows = RosterRows::<false> {
-                    inputs: &inputs,
-                    roster: &workers,
-                    hits: &scratch.hits,
-                    ledger: &ledger,
-                    tracking: &scratch.tracking,
-                };
-                partition
-                    .policy
-                    .select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
+                policy.select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
             }
         } else {
             filter_candidates(
@@ -2509,6 +2499,20 @@ struct RosterRows<'a, const DENSE: bool> {
     hits: &'a RowHits,
     ledger: &'a Ledger,
     tracking: &'a [SequenceHash],
+}
+
+impl<'a> RosterRows<'a, false> {
+    /// The same rows read through the per-slot hits (the caller checked
+    /// [`RowHits::is_dense`]).
+    fn per_slot(&self) -> RosterRows<'a, true> {
+        RosterRows {
+            inputs: self.inputs,
+            roster: self.roster,
+            hits: self.hits,
+            ledger: self.ledger,
+            tracking: self.tracking,
+        }
+    }
 }
 
 impl<const DENSE: bool> CandidateRows for RosterRows<'_, DENSE> {
