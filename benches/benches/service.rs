@@ -8,118 +8,24 @@
 
 use std::sync::Arc;
 
+use benches::service_fixture::{BLOCK, core_with, prompt, reserve_and_free, reserve_request};
 use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
-use kv_types::{
-    BlockHash, ExternalHash, HashOptions, KvOperation, KvOperationKind, StorageTier, StoredBlock,
-    WorkerKey,
-};
 use service_builder::{PartitionKey, PromptInput, SelectRequest, SelectionCore, WorkerRequest};
-
-const BLOCK: u32 = 16;
-
-fn prompt(worker: u64, tokens: usize) -> Vec<u32> {
-    // A shared 1k-token system prompt, then a worker-specific tail.
-    let mut t: Vec<u32> = (0..1024).collect();
-    let mut seed = tokens as u64 ^ 0x9E37;
-    t.extend((1024..tokens).map(|i| {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(worker + i as u64);
-        (seed >> 40) as u32
-    }));
-    t.truncate(tokens);
-    t
-}
-
-/// An idle engine publisher: event-driven workers need a KV events endpoint to be
-/// schedulable, and listeners connected to a live, silent PUB cost nothing while measuring.
-struct IdlePublisher {
-    _socket: zmq::Socket,
-    endpoint: String,
-}
-
-fn idle_publisher() -> IdlePublisher {
-    let socket = zmq::Context::new()
-        .socket(zmq::PUB)
-        .expect("creates a PUB socket");
-    socket.bind("tcp://127.0.0.1:*").expect("binds a free port");
-    let endpoint = socket
-        .get_last_endpoint()
-        .expect("reads the endpoint")
-        .expect("endpoint is UTF-8");
-    IdlePublisher {
-        _socket: socket,
-        endpoint,
-    }
-}
-
-fn core_with(workers: u64, use_kv_events: bool) -> Arc<SelectionCore> {
-    let publisher = idle_publisher();
-    let config = benches::seeded_config(use_kv_events);
-    let core = SelectionCore::try_new_local(config, None).expect("valid config");
-    let key = PartitionKey::new("default", "default");
-    for w in 0..workers {
-        core.upsert_worker(WorkerRequest {
-            endpoint: Some(format!("http://w{w}")),
-            block_size: Some(BLOCK),
-            kv_events_endpoint: use_kv_events.then(|| publisher.endpoint.clone()),
-            ..WorkerRequest::new(w)
-        })
-        .expect("worker registers");
-        let mut hashes: Vec<BlockHash> = Vec::new();
-        kv_types::block_hashes_into(
-            &prompt(w, 4096),
-            BLOCK,
-            &HashOptions::default(),
-            &mut hashes,
-        );
-        let blocks = hashes
-            .iter()
-            .enumerate()
-            .map(|(i, h)| StoredBlock::new(ExternalHash(h.0 ^ i as u64), *h))
-            .collect();
-        let op = KvOperation {
-            worker: WorkerKey::new(w, 0),
-            tier: StorageTier::Device,
-            event_id: w,
-            kind: KvOperationKind::Stored {
-                parent_hash: None,
-                blocks,
-            },
-        };
-        core.apply_events(&key, &[op]);
-    }
-    // The listeners stay connected to a socket that outlives the measurement.
-    std::mem::forget(publisher);
-    core
-}
 
 fn service(c: &mut Criterion) {
     let mut group = c.benchmark_group("service/select_and_reserve_free");
     for workers in [8u64, 64, 128, 512] {
         let core = core_with(workers, true);
         for tokens in [256usize, 4096] {
-            let request = SelectRequest {
-                selection_id: Some("bench".into()),
-                prompt: PromptInput {
-                    token_ids: Some(prompt(workers / 2, tokens)),
-                    ..PromptInput::default()
-                },
-                ..SelectRequest::default()
-            };
             group.bench_with_input(
                 BenchmarkId::new(format!("{workers}_workers"), tokens),
-                &request,
+                &reserve_request(workers, tokens),
                 |b, req| {
                     // The request is owned by the call (the HTTP edge hands over the parsed
                     // body); its clone is setup, not part of the measurement.
                     b.iter_batched(
                         || req.clone(),
-                        |req| {
-                            let r = core.select_and_reserve(req).expect("selects");
-                            core.free_reservation("bench").expect("frees");
-                            r.worker_id
-                        },
+                        |req| reserve_and_free(&core, req),
                         BatchSize::SmallInput,
                     )
                 },
@@ -130,22 +36,11 @@ fn service(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("service/select_and_reserve_free/approximate");
     let core = core_with(128, false);
-    let request = SelectRequest {
-        selection_id: Some("bench".into()),
-        prompt: PromptInput {
-            token_ids: Some(prompt(64, 4096)),
-            ..PromptInput::default()
-        },
-        ..SelectRequest::default()
-    };
+    let request = reserve_request(128, 4096);
     group.bench_function("128_workers/4096", |b| {
         b.iter_batched(
             || request.clone(),
-            |req| {
-                let r = core.select_and_reserve(req).expect("selects");
-                core.free_reservation("bench").expect("frees");
-                r.worker_id
-            },
+            |req| reserve_and_free(&core, req),
             BatchSize::SmallInput,
         )
     });

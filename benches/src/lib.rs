@@ -1,8 +1,10 @@
 //! Criterion benchmarks of kv-select's hot paths (`cargo bench -p benches`).
 //!
 //! The library part only holds deterministic inputs shared by the bench targets (token
-//! ids, a seeded service configuration), so every bench measures the same work run after
-//! run.
+//! ids, a seeded service configuration, the service fleet of [`service_fixture`]), so
+//! every bench measures the same work run after run.
+
+pub mod service_fixture;
 
 /// Deterministic pseudo-random token ids (xorshift), `n` of them, from `seed`.
 pub fn tokens(n: usize, seed: u64) -> Vec<u32> {

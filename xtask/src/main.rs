@@ -4,6 +4,9 @@
 //! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
 //! - `bench http [--seconds N] [--connections a,b]`: load test of `POST /select` against the
 //!   release server on loopback (docs/hot-path.md).
+//! - `instructions [--only W/N] [--cache-sim]`: instructions per `select_and_reserve` +
+//!   `free` cycle counted by callgrind, over the service bench's matrix (needs valgrind;
+//!   docs/hot-path.md).
 //! - `flood [pending|reservations|workers|events]...`: floods the release server and checks
 //!   that its memory stays bounded, printing peak RSS per scenario (docs/operations.md).
 //! - `loom`: the loom models of the index, ledger and admission protocols, with `--cfg loom`
@@ -21,6 +24,7 @@ use anyhow::{Context, Result, bail};
 
 mod bench_http;
 mod flood;
+mod instructions;
 mod loom;
 mod replay;
 #[cfg(test)]
@@ -49,15 +53,18 @@ fn run() -> Result<()> {
             cargo(&a, &[])
         }
         "flood" => flood::main(&rest),
+        "instructions" => instructions::main(&rest),
         "loom" => loom::main(&rest),
         "replay" => replay::main(&rest),
         "" | "help" | "-h" | "--help" => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | flood --help | loom | replay --help>"
+                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | instructions --help | flood --help | loom | replay --help>"
             );
             Ok(())
         }
-        other => bail!("unknown task {other:?}; expected ci, bench, flood, loom or replay"),
+        other => {
+            bail!("unknown task {other:?}; expected ci, bench, instructions, flood, loom or replay")
+        }
     }
 }
 

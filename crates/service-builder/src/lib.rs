@@ -126,6 +126,8 @@
 //!   scan the catalog for one, which walked every other partition's records first: in the
 //!   last of ten 120-worker models a 256-token `select` took 14.6 µs, now 4.4 µs
 //!   (`select/10_partitions_of_120`).
+//! - Instruction counts per cycle come from `cargo xtask instructions` (callgrind over the
+//!   same fleet as the `service` bench; docs/architecture.md).
 //! - Cost (`cargo bench -p benches --bench service`, default event-driven config, block size
 //!   16, 2-core VM, criterion medians), select_and_reserve + free, 256 / 4,096-token
 //!   prompts, ranges over six runs in the later session (three at its first commit, three

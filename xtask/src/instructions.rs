@@ -1,0 +1,248 @@
+//! `cargo xtask instructions`: instructions per `select_and_reserve` + `free` cycle through
+//! the service core, counted by callgrind, over the matrix of the `service` bench (8, 64,
+//! 128 and 512 workers; 256 and 4,096 tokens; 128 workers / 4,096 tokens in approximate
+//! mode).
+//!
+//! Wall time on a shared two-core machine moves by tens of percent within an hour; an
+//! instruction count moves only when the code does. A hot-path change is judged by both:
+//! this count first, then criterion medians (docs/hot-path.md). Needs valgrind, which the
+//! CI machine does not have, so this is a developer tool and not part of `ci`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::Parser;
+
+/// The configurations of the matrix: workers, tokens, approximate mode.
+const MATRIX: [(u64, u64, bool); 9] = [
+    (8, 256, false),
+    (8, 4096, false),
+    (64, 256, false),
+    (64, 4096, false),
+    (128, 256, false),
+    (128, 4096, false),
+    (512, 256, false),
+    (512, 4096, false),
+    (128, 4096, true),
+];
+
+/// The bench function whose inclusive cost is counted (`benches/benches/instructions.rs`).
+const MEASURED: &str = "instructions::measured_calls";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "cargo xtask instructions",
+    about = "Instructions per select_and_reserve + free cycle, counted by callgrind"
+)]
+struct Args {
+    /// Cycles counted per configuration (after as many warm-up cycles).
+    #[arg(long, default_value_t = 200)]
+    calls: u64,
+    /// Only these configurations, as WORKERS/TOKENS (e.g. 128/4096), or
+    /// WORKERS/TOKENS/approximate; repeatable.
+    #[arg(long)]
+    only: Vec<String>,
+    /// Also simulate the caches and report L1 instruction and data misses per cycle
+    /// (about twice as slow).
+    #[arg(long)]
+    cache_sim: bool,
+}
+
+/// Entry point of `cargo xtask instructions ARGS`.
+#[expect(
+    clippy::print_stdout,
+    reason = "the table is the task's output; progress goes to stderr"
+)]
+pub(crate) fn main(args: &[String]) -> Result<()> {
+    let args = Args::try_parse_from(
+        std::iter::once("instructions").chain(args.iter().map(String::as_str)),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(args.calls > 0, "--calls must be at least 1");
+    let configs = selected(&args.only)?;
+    check_valgrind()?;
+    let binary = build_bench()?;
+    let out_dir = crate::root().join("target/instructions");
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("failed to create {}", out_dir.display()))?;
+
+    println!(
+        "| workers | tokens | mode | instructions per cycle |{}",
+        if args.cache_sim {
+            " I1 misses | D1 misses |"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "|---:|---:|---|---:|{}",
+        if args.cache_sim { "---:|---:|" } else { "" }
+    );
+    for (workers, tokens, approximate) in configs {
+        let counts = count(&binary, &out_dir, &args, workers, tokens, approximate)?;
+        let per_call = |i: usize| counts.get(i).map_or(0.0, |&n| n as f64 / args.calls as f64);
+        let mode = if approximate {
+            "approximate"
+        } else {
+            "event-driven"
+        };
+        let misses = if args.cache_sim {
+            // Callgrind's event order with the cache simulator: Ir Dr Dw I1mr D1mr D1mw ...
+            format!(" {:.0} | {:.0} |", per_call(3), per_call(4) + per_call(5))
+        } else {
+            String::new()
+        };
+        println!(
+            "| {workers} | {tokens} | {mode} | {:.0} |{misses}",
+            per_call(0)
+        );
+    }
+    Ok(())
+}
+
+/// The configurations `--only` names (all of them without it).
+fn selected(only: &[String]) -> Result<Vec<(u64, u64, bool)>> {
+    if only.is_empty() {
+        return Ok(MATRIX.to_vec());
+    }
+    only.iter()
+        .map(|spec| {
+            let parts: Vec<&str> = spec.split('/').collect();
+            let parsed = match parts.as_slice() {
+                [w, t] => Some((w.parse().ok(), t.parse().ok(), false)),
+                [w, t, "approximate"] => Some((w.parse().ok(), t.parse().ok(), true)),
+                _ => None,
+            };
+            match parsed {
+                Some((Some(w), Some(t), a)) if w > 0 => Ok((w, t, a)),
+                _ => bail!(
+                    "--only {spec:?}: expected WORKERS/TOKENS or WORKERS/TOKENS/approximate, \
+                     with at least one worker"
+                ),
+            }
+        })
+        .collect()
+}
+
+fn check_valgrind() -> Result<()> {
+    match Command::new("valgrind").arg("--version").output() {
+        Ok(out) if out.status.success() => Ok(()),
+        _ => bail!(
+            "valgrind is not installed or does not run (`valgrind --version` failed); \
+             install it (Debian/Ubuntu: apt install valgrind) to count instructions"
+        ),
+    }
+}
+
+/// Builds the `instructions` bench in the bench profile and returns its executable.
+fn build_bench() -> Result<PathBuf> {
+    let cargo_args = [
+        "bench",
+        "-p",
+        "benches",
+        "--bench",
+        "instructions",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ];
+    eprintln!("xtask: cargo {}", cargo_args.join(" "));
+    let out = Command::new("cargo")
+        .args(cargo_args)
+        .current_dir(crate::root())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("failed to start cargo")?;
+    ensure!(
+        out.status.success(),
+        "building the instructions bench failed ({})",
+        out.status
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|msg| {
+            msg["reason"] == "compiler-artifact" && msg["target"]["name"] == "instructions"
+        })
+        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
+        .context("cargo reported no executable for the instructions bench")
+}
+
+/// Runs one configuration under callgrind; returns the events it collected inside the
+/// measured function (instructions first).
+fn count(
+    binary: &Path,
+    out_dir: &Path,
+    args: &Args,
+    workers: u64,
+    tokens: u64,
+    approximate: bool,
+) -> Result<Vec<u64>> {
+    let suffix = if approximate { ".approximate" } else { "" };
+    let out_file = out_dir.join(format!("callgrind.{workers}.{tokens}{suffix}.out"));
+    let mut cmd = Command::new("valgrind");
+    cmd.arg("--tool=callgrind")
+        .arg(format!("--toggle-collect={MEASURED}"))
+        .arg(format!("--callgrind-out-file={}", out_file.display()));
+    if args.cache_sim {
+        cmd.arg("--cache-sim=yes");
+    }
+    cmd.arg(binary)
+        .args(["--workers", &workers.to_string()])
+        .args(["--tokens", &tokens.to_string()])
+        .args(["--calls", &args.calls.to_string()]);
+    if approximate {
+        cmd.arg("--approximate");
+    }
+    eprintln!("xtask: callgrind, {workers} workers, {tokens} tokens{suffix}");
+    let out = cmd.output().context("failed to start valgrind")?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.success(),
+        "the instructions bench failed under callgrind ({}):\n{stderr}",
+        out.status
+    );
+    collected(&stderr)
+        .with_context(|| format!("callgrind printed no `Collected` line for {MEASURED}:\n{stderr}"))
+}
+
+/// The event counts of callgrind's `==pid== Collected : n n n` summary line.
+fn collected(stderr: &str) -> Option<Vec<u64>> {
+    let line = stderr.lines().find(|l| l.contains("Collected :"))?;
+    let (_, counts) = line.split_once("Collected :")?;
+    let counts: Vec<u64> = counts
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    (!counts.is_empty()).then_some(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_collected_line() {
+        let stderr = "==12== Events    : Ir\n==12== Collected : 55410181 14867962 3648420\n\
+                      ==12== I   refs:      55,410,181\n";
+        assert_eq!(
+            collected(stderr),
+            Some(vec![55_410_181, 14_867_962, 3_648_420])
+        );
+        assert_eq!(collected("==12== I   refs: 5\n"), None);
+        assert_eq!(collected("==12== Collected : lots\n"), None);
+    }
+
+    #[test]
+    fn only_selects_and_rejects_configurations() {
+        assert_eq!(selected(&[]).map(|c| c.len()).ok(), Some(MATRIX.len()));
+        assert_eq!(
+            selected(&["128/4096".into(), "128/4096/approximate".into()]).ok(),
+            Some(vec![(128, 4096, false), (128, 4096, true)])
+        );
+        for bad in ["128", "0/256", "8/x", "8/256/exact"] {
+            assert!(selected(&[bad.into()]).is_err(), "{bad}");
+        }
+    }
+}
