@@ -9,7 +9,7 @@ use kv_types::{SequenceHash, WorkerId, WorkerKey};
 use rustc_hash::FxHashMap;
 
 use crate::rank::{ROOT, RankState};
-use crate::slots::{RankSlot, RankTable};
+use crate::slots::{LoadRow, RankSlot, RankTable, SlotLayout};
 
 /// Default age after which a booking is reclaimed (`DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`).
 pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(300);
@@ -553,9 +553,17 @@ impl Ledger {
             .map_or(0, |r| r.overlap_depth(tracking_hashes))
     }
 
-    /// The slot of a registered rank, to pass to [`Ledger::potential_load_at`] later.
+    /// The slot of a registered rank, to pass to [`Ledger::potential_load_at`] later (or to
+    /// [`Ledger::potential_load_bound`] while [`Ledger::slot_layout`] is unchanged).
     pub fn rank_slot(&self, worker: WorkerKey) -> Option<RankSlot> {
         self.ranks.slot(worker)
+    }
+
+    /// The current assignment of ranks to slots. Equal to a value read earlier exactly when
+    /// no rank gained or lost a slot in between (values are never reused, even by another
+    /// ledger), so every slot [`Ledger::rank_slot`] gave meanwhile still holds its rank.
+    pub fn slot_layout(&self) -> SlotLayout {
+        self.ranks.layout()
     }
 
     /// Projects a prospective request onto a rank. `added_prefill_tokens` is what the
@@ -581,8 +589,43 @@ impl Ledger {
         tracking_hashes: &[SequenceHash],
         added_prefill_tokens: u64,
     ) -> PotentialLoad {
+        self.project(
+            self.ranks.load_at(slot, worker),
+            tracking_hashes,
+            added_prefill_tokens,
+        )
+    }
+
+    /// [`Ledger::potential_load_at`] through a slot that [`Ledger::rank_slot`] gave for
+    /// `worker` while [`Ledger::slot_layout`] returned what it returns now. The slot still
+    /// holds `worker`, so its key is not checked: a caller that binds many ranks' slots at
+    /// once checks the layout once instead of a key per rank. Passing a slot read under
+    /// another layout is a caller bug; debug builds assert on it.
+    #[inline]
+    pub fn potential_load_bound(
+        &self,
+        slot: RankSlot,
+        worker: WorkerKey,
+        tracking_hashes: &[SequenceHash],
+        added_prefill_tokens: u64,
+    ) -> PotentialLoad {
+        let row = self.ranks.load_bound(slot);
+        debug_assert!(
+            row.is_some_and(|(r, _)| r.holds(worker)),
+            "slot {slot:?} does not hold {worker:?}: read under another layout"
+        );
+        self.project(row, tracking_hashes, added_prefill_tokens)
+    }
+
+    #[inline(always)]
+    fn project(
+        &self,
+        row: Option<(&LoadRow, u32)>,
+        tracking_hashes: &[SequenceHash],
+        added_prefill_tokens: u64,
+    ) -> PotentialLoad {
         // The load column answers idle ranks alone; only a rank with live paths is walked.
-        let (load, depth) = match self.ranks.load_at(slot, worker) {
+        let (load, depth) = match row {
             Some((row, s)) => {
                 let depth = if row.busy {
                     self.overlap_depth_at(s, tracking_hashes)

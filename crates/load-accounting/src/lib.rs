@@ -34,6 +34,15 @@
 //!   went stale (its rank removed, the slot reused) is detected by key and answered through
 //!   the index. With 128 candidates this took a selection from ≈ 96 to ≈ 25 instructions
 //!   per candidate for the projection (callgrind).
+//! - The assignment of ranks to slots has a [`SlotLayout`], renewed (never to a value any
+//!   ledger of the process had) whenever a rank gains or loses a slot. A caller that bound
+//!   many slots under one layout checks the layout once, under the ledger lock, and then
+//!   reads each slot without its key check ([`Ledger::potential_load_bound`]; debug builds
+//!   still assert the key). Bookings and frees move no slot, so the service's roster stays
+//!   bound from one catalog change to the next: ≈ 18 instructions fewer per candidate
+//!   (callgrind, select_and_reserve + free: 44.9 k → 42.6 k at 128 workers and 4,096
+//!   tokens, 64.6 k → 55.3 k at 512 workers and 256 tokens). The ledger proptest keeps a
+//!   binding while the layout holds and checks every bound slot against the key lookup.
 //! - Beside the slab, a column of 40-byte load rows (key, the three totals, whether any
 //!   booking's path is live) is what the projection reads; a rank's state, two to three
 //!   cache lines, is read only when a path may overlap. Every mutable access to a rank goes
@@ -64,4 +73,4 @@ pub use ledger::{
     BookRequest, BookingSeq, DEFAULT_EXPIRY, Freed, Ledger, LedgerConfig, LedgerError, Origin,
     PotentialLoad, RankLoad, ReservationId, ReservationInfo, SlotPolicy,
 };
-pub use slots::RankSlot;
+pub use slots::{RankSlot, SlotLayout};

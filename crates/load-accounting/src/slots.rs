@@ -3,8 +3,10 @@
 //! A selection reads every candidate rank's load; going through a hash map for each one
 //! costs a hash and a probe per candidate. Ranks live at stable slots instead, and a caller
 //! that keeps a rank's [`RankSlot`] (the service keeps one per roster row) reads it by
-//! index. A slot is reused only after its rank is removed, and every read through a slot
-//! checks the key, so a stale slot is noticed and answered through the index instead.
+//! index. A slot is reused only after its rank is removed, and a read through a slot
+//! checks the key, so a stale slot is noticed and answered through the index instead;
+//! unless the caller read the slot under the current [`SlotLayout`], which changes whenever
+//! a rank gains or loses a slot: then the slot cannot be stale.
 //!
 //! What a selection reads of a rank (its key, its three totals and whether any booking is
 //! live on it) is also kept in a [`LoadRow`] column beside the slab: 40 contiguous bytes per
@@ -24,6 +26,19 @@ use crate::rank::RankState;
 /// valid while the rank is registered; reads through a stale slot fall back to the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RankSlot(u32);
+
+/// One assignment of ranks to slots in a ledger. It changes, to a value no ledger of the
+/// process has had before, whenever a rank gains or loses a slot, so slots read while the
+/// layout was `L` still hold the same ranks while the layout is `L`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotLayout(u64);
+
+impl SlotLayout {
+    fn next() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        SlotLayout(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
 
 #[derive(Debug)]
 struct Entry {
@@ -60,7 +75,7 @@ impl LoadRow {
     }
 
     #[inline(always)]
-    fn holds(&self, key: WorkerKey) -> bool {
+    pub(crate) fn holds(&self, key: WorkerKey) -> bool {
         self.live && self.worker == key.worker_id.0 && self.rank == key.dp_rank.0
     }
 
@@ -109,16 +124,41 @@ impl Drop for RankMut<'_> {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RankTable {
     slots: Vec<Option<Entry>>,
     /// `loads[s]` summarizes `slots[s]`; same length.
     loads: Vec<LoadRow>,
     index: FxHashMap<WorkerKey, u32>,
     vacant: Vec<u32>,
+    /// Renewed whenever `index` gains or loses a key.
+    layout: SlotLayout,
+}
+
+impl Default for RankTable {
+    fn default() -> Self {
+        Self {
+            slots: Vec::new(),
+            loads: Vec::new(),
+            index: FxHashMap::default(),
+            vacant: Vec::new(),
+            layout: SlotLayout::next(),
+        }
+    }
 }
 
 impl RankTable {
+    pub(crate) fn layout(&self) -> SlotLayout {
+        self.layout
+    }
+
+    /// The load row at a slot read while the layout was the current one, so it holds the
+    /// rank it held then: no key check. `None` only for a slot outside the table.
+    #[inline(always)]
+    pub(crate) fn load_bound(&self, RankSlot(s): RankSlot) -> Option<(&LoadRow, u32)> {
+        self.loads.get(s as usize).map(|row| (row, s))
+    }
+
     pub(crate) fn slot(&self, key: WorkerKey) -> Option<RankSlot> {
         self.index.get(&key).map(|&s| RankSlot(s))
     }
@@ -187,6 +227,7 @@ impl RankTable {
                 };
                 self.slots[s as usize] = None;
                 self.index.insert(key, s);
+                self.layout = SlotLayout::next();
                 s
             }
         } as usize;
@@ -211,6 +252,7 @@ impl RankTable {
                 *slot = None;
                 self.loads[s] = LoadRow::default();
                 self.vacant.push(s as u32);
+                self.layout = SlotLayout::next();
             }
         }
     }
@@ -309,5 +351,40 @@ mod tests {
         let mut keys: Vec<WorkerKey> = t.iter().map(|(k, _)| k).collect();
         keys.sort();
         assert_eq!(keys, vec![b, c]);
+    }
+
+    #[test]
+    fn the_layout_changes_exactly_when_a_rank_gains_or_loses_a_slot() {
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let mut t = RankTable::default();
+        let empty = t.layout();
+        assert_ne!(
+            RankTable::default().layout(),
+            empty,
+            "another table, another layout"
+        );
+        t.get_or_insert(a);
+        let one = t.layout();
+        assert_ne!(one, empty);
+        // Changing a rank's load, or asking for a rank it has, keeps every slot in place.
+        t.get_or_insert(a).requests = 4;
+        t.retain(|_| true);
+        assert_eq!(t.layout(), one);
+        t.get_or_insert(b);
+        let two = t.layout();
+        assert_ne!(two, one);
+        t.retain(|k| k != a);
+        let removed = t.layout();
+        assert_ne!(removed, two);
+        // The freed slot taken by the returning rank is a new layout, never an old one.
+        t.get_or_insert(a);
+        assert!(![empty, one, two, removed].contains(&t.layout()));
+        let (sa, sb) = (t.slot(a).map(|s| s.0), t.slot(b).map(|s| s.0));
+        let bound = |k, s: Option<u32>| {
+            s.and_then(|s| t.load_bound(RankSlot(s)))
+                .map(|(r, _)| r.holds(k))
+        };
+        assert_eq!((bound(a, sa), bound(b, sb)), (Some(true), Some(true)));
+        assert!(t.load_bound(RankSlot(99)).is_none());
     }
 }

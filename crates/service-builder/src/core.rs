@@ -1308,7 +1308,7 @@ impl SelectionCore {
             // Every roster row is a candidate: the policy reads them straight from the roster,
             // the hits and the ledger (which stays locked while it does).
             let ledger = partition.ledger.lock();
-            let rows = RosterRows::<false> {
+            let rows = RosterRows::<false, false> {
                 inputs: &inputs,
                 roster: &workers,
                 hits: &scratch.hits,
@@ -1317,8 +1317,12 @@ impl SelectionCore {
             };
             let mut rng = partition.rng.lock();
             let policy = &partition.policy;
-            if scratch.hits.is_dense() {
-                policy.select_rows(&ctx, &rows.per_slot(), &mut scratch.policy, &mut rng)
+            if scratch.hits.is_dense() && workers.bound_to(&ledger) {
+                let rows = rows.per_slot::<true>();
+                policy.select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
+            } else if scratch.hits.is_dense() {
+                let rows = rows.per_slot::<false>();
+                policy.select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
             } else {
                 policy.select_rows(&ctx, &rows, &mut scratch.policy, &mut rng)
             }
@@ -2454,9 +2458,10 @@ struct RowInputs {
 
 impl RowInputs {
     /// The candidate of roster row `row`: its hits for this request and its rank's load
-    /// with this request added.
+    /// with this request added. `BOUND`: the roster's ledger slots hold their ranks
+    /// ([`Roster::bound_to`]), so the load is read without a key check.
     #[inline(always)]
-    fn candidate(
+    fn candidate<const BOUND: bool>(
         &self,
         rr: &RosterRow,
         hits: TierHits,
@@ -2476,7 +2481,10 @@ impl RowInputs {
         } else {
             0
         };
-        let load = ledger.potential_load_at(rr.ledger_slot, rr.key, tracking, added);
+        let load = match rr.ledger_slot {
+            Some(slot) if BOUND => ledger.potential_load_bound(slot, rr.key, tracking, added),
+            hint => ledger.potential_load_at(hint, rr.key, tracking, added),
+        };
         Candidate {
             worker: rr.key,
             cache,
@@ -2493,7 +2501,8 @@ impl RowInputs {
 
 /// Every roster row as a candidate, built when the policy reads it. `DENSE`: the hits
 /// are in the per-slot form ([`RowHits::is_dense`]), read without checking which form.
-struct RosterRows<'a, const DENSE: bool> {
+/// `BOUND`: the roster's ledger slots hold their ranks ([`Roster::bound_to`]).
+struct RosterRows<'a, const DENSE: bool, const BOUND: bool> {
     inputs: &'a RowInputs,
     roster: &'a Roster,
     hits: &'a RowHits,
@@ -2501,10 +2510,11 @@ struct RosterRows<'a, const DENSE: bool> {
     tracking: &'a [SequenceHash],
 }
 
-impl<'a> RosterRows<'a, false> {
+impl<'a> RosterRows<'a, false, false> {
     /// The same rows read through the per-slot hits (the caller checked
-    /// [`RowHits::is_dense`]).
-    fn per_slot(&self) -> RosterRows<'a, true> {
+    /// [`RowHits::is_dense`]) and, when `bound`, through ledger slots without key checks
+    /// (the caller checked [`Roster::bound_to`] under the ledger lock it holds).
+    fn per_slot<const BOUND: bool>(&self) -> RosterRows<'a, true, BOUND> {
         RosterRows {
             inputs: self.inputs,
             roster: self.roster,
@@ -2515,7 +2525,7 @@ impl<'a> RosterRows<'a, false> {
     }
 }
 
-impl<const DENSE: bool> CandidateRows for RosterRows<'_, DENSE> {
+impl<const DENSE: bool, const BOUND: bool> CandidateRows for RosterRows<'_, DENSE, BOUND> {
     fn len(&self) -> usize {
         self.roster.rows().len()
     }
@@ -2533,7 +2543,7 @@ impl<const DENSE: bool> CandidateRows for RosterRows<'_, DENSE> {
             self.hits.at(i, rr.key)
         };
         self.inputs
-            .candidate(rr, hits, self.ledger, self.tracking, 0.0)
+            .candidate::<BOUND>(rr, hits, self.ledger, self.tracking, 0.0)
     }
 
     /// Per-slot hits are device hits only, and these rows carry no taint weight.
@@ -2580,7 +2590,13 @@ fn filter_candidates(
                 .map(|(_, w)| *w)
                 .sum();
         }
-        out.push(inputs.candidate(rr, hits.at(row, rr.key), ledger, tracking, taint_weight));
+        out.push(inputs.candidate::<false>(
+            rr,
+            hits.at(row, rr.key),
+            ledger,
+            tracking,
+            taint_weight,
+        ));
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kv_index::{KvIndex, SlotDepths, TierHits, TieredMatches};
 use kv_types::BlockHash;
 use kv_types::WorkerKey;
-use load_accounting::{Ledger, RankSlot};
+use load_accounting::{Ledger, RankSlot, SlotLayout};
 use rustc_hash::FxHashMap;
 use selection_policy::Capacity;
 
@@ -47,6 +47,9 @@ pub(crate) struct Roster {
     by_id: BTreeMap<u64, WorkerEntry>,
     rows: Vec<RosterRow>,
     row_of: FxHashMap<WorkerKey, u32>,
+    /// The ledger's slot layout when every row's slot was bound: while the ledger still
+    /// reports it, the rows' slots hold their ranks and are read without a key check.
+    ledger_layout: Option<SlotLayout>,
 }
 
 impl Roster {
@@ -77,6 +80,7 @@ impl Roster {
             by_id,
             rows,
             row_of,
+            ledger_layout: None,
         }
     }
 
@@ -84,11 +88,23 @@ impl Roster {
         &self.rows
     }
 
-    /// Records where `ledger` keeps each rank (call once its ranks are registered).
+    /// Records where `ledger` keeps each rank (call once its ranks are registered), and
+    /// under which slot layout when every rank has a slot.
     pub(crate) fn bind_ledger(&mut self, ledger: &Ledger) {
         for row in &mut self.rows {
             row.ledger_slot = ledger.rank_slot(row.key);
         }
+        self.ledger_layout = self
+            .rows
+            .iter()
+            .all(|r| r.ledger_slot.is_some())
+            .then(|| ledger.slot_layout());
+    }
+
+    /// Whether every row's ledger slot still holds its rank in `ledger` (no rank gained or
+    /// lost a slot since [`Roster::bind_ledger`]).
+    pub(crate) fn bound_to(&self, ledger: &Ledger) -> bool {
+        self.ledger_layout == Some(ledger.slot_layout())
     }
 
     /// Whether `key` is a schedulable rank of this roster.
@@ -296,6 +312,41 @@ mod tests {
             ]
         );
         assert_eq!(roster.len(), 2);
+    }
+
+    #[test]
+    fn a_roster_stays_bound_until_a_rank_gains_or_loses_a_ledger_slot() {
+        use load_accounting::{BookRequest, LedgerConfig, SlotPolicy};
+        let mut roster = Roster::new([worker(3, 2), worker(9, 1)].into_iter().collect());
+        let mut ledger = Ledger::new(LedgerConfig::default());
+        // A rank without a slot leaves the roster unbound: its row has no slot to trust.
+        ledger.register_rank(WorkerKey::new(3, 0));
+        roster.bind_ledger(&ledger);
+        assert!(!roster.bound_to(&ledger));
+        for row in roster.rows() {
+            ledger.register_rank(row.key);
+        }
+        roster.bind_ledger(&ledger);
+        assert!(roster.bound_to(&ledger));
+        // Bookings, frees and re-registering a known rank move no slot.
+        let req = BookRequest::new(WorkerKey::new(9, 0), &[], 16);
+        let now = std::time::Instant::now();
+        assert!(
+            ledger
+                .book("r".into(), &req, SlotPolicy::RequireRegistered, now)
+                .is_ok()
+        );
+        ledger.register_rank(WorkerKey::new(3, 1));
+        assert!(ledger.free("r").is_ok());
+        assert!(roster.bound_to(&ledger));
+        // A rank outside the roster taking a slot, or one of its ranks losing its slot,
+        // unbinds it until the next bind.
+        ledger.register_rank(WorkerKey::new(5, 0));
+        assert!(!roster.bound_to(&ledger));
+        roster.bind_ledger(&ledger);
+        assert!(roster.bound_to(&ledger));
+        ledger.remove_rank(WorkerKey::new(3, 1));
+        assert!(!roster.bound_to(&ledger));
     }
 
     fn store(index: &mut kv_index::KvIndex, worker: WorkerKey, blocks: &[u64]) {

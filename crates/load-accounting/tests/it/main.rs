@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use kv_types::{SequenceHash, WorkerId, WorkerKey};
 use load_accounting::{
     BookRequest, Ledger, LedgerConfig, LedgerError, LoadHandle, RankLoad, RankSlot, SharedLedger,
-    SlotPolicy,
+    SlotLayout, SlotPolicy,
 };
 use proptest::prelude::*;
 
@@ -143,6 +143,9 @@ proptest! {
         // Slot hints kept from a rank's first sighting: they go stale when its worker is
         // removed and the slot is reused, as the service's roster rows do.
         let mut hints: [Option<RankSlot>; 4] = [None; 4];
+        // Slots bound under one layout, kept while the ledger reports that layout (as the
+        // service's roster binds them at publish): they must still name the same ranks.
+        let mut bound: Option<(SlotLayout, [Option<RankSlot>; 4])> = None;
         for op in ops {
             let now = t0 + Duration::from_secs(clock);
             match op {
@@ -231,6 +234,20 @@ proptest! {
                 }
             }
             prop_assert_eq!(ledger.len(), model.live.len());
+            let layout = ledger.slot_layout();
+            let slots = match bound {
+                Some((l, slots)) if l == layout => {
+                    for rank in 0..4u8 {
+                        prop_assert_eq!(ledger.rank_slot(key(rank)), slots[usize::from(rank)]);
+                    }
+                    slots
+                }
+                _ => {
+                    let slots = [0, 1, 2, 3].map(|rank| ledger.rank_slot(key(rank)));
+                    bound = Some((layout, slots));
+                    slots
+                }
+            };
             for rank in 0..4 {
                 let want = model.load(key(rank));
                 let got = ledger.load(key(rank)).unwrap_or_default();
@@ -258,6 +275,10 @@ proptest! {
                         p.potential_decode_blocks,
                         want.active_decode_blocks + (probe.len() - depth) as u64
                     );
+                }
+                if let Some(slot) = slots[rank as usize] {
+                    let p = ledger.potential_load_bound(slot, key(rank), &probe, 7);
+                    prop_assert_eq!(p, ledger.potential_load_at(None, key(rank), &probe, 7));
                 }
             }
         }
