@@ -168,6 +168,21 @@
 //!   5.4 k. Tried and dropped: reading the loads into columns under the ledger lock and
 //!   costing them after releasing it (+0.6 k to +1.3 k instructions at 128 workers: the
 //!   checked read of each rank costs as much as the fused pass saves).
+//! - A third session (`cargo xtask instructions`, whole matrix, instructions per cycle,
+//!   before → after the bound roster's unchecked ledger reads):
+//!
+//!   | workers | 256 tokens | 4,096 tokens |
+//!   |---:|---|---|
+//!   | 8 | 10,749 → 10,600 | 32,192 → 32,025 |
+//!   | 64 | 16,743 → 15,585 | 38,211 → 36,994 |
+//!   | 128 | 23,713 → 21,410 | 44,858 → 42,615 |
+//!   | 512 | 64,557 → 55,338 | 85,467 → 76,122 |
+//!   | 128, approximate | | 48,935 → 46,661 |
+//!
+//!   The row loop is now ≈ 62 instructions per worker. Of the ≈ 42.6 k at 128 workers and
+//!   4,096 tokens, hashing is 18.3 k, the walk 5.3 k, rows, finiteness check and pick
+//!   10.0 k, and the fixed part (claim, booking, answer, free, metrics, request and answer
+//!   drops) ≈ 9 k, of which ≈ 2 k is allocation and ≈ 0.8 k struct moves (`memcpy`).
 //! - The 5 µs at 128 workers and 4,096 tokens is not met on this machine:
 //!   criterion medians were 5.6–7.8 µs in the first session's runs and 5.6–7.7 µs in the
 //!   later one's, while the machine's speed moved by up to 40 % within an hour (the same
