@@ -94,9 +94,9 @@ struct Args {
 /// Entry point of `cargo xtask bench http ARGS`.
 pub(crate) fn main(args: &[String]) -> Result<()> {
     let args_as_given = args;
-    let args =
-        Args::try_parse_from(std::iter::once("bench http").chain(args.iter().map(String::as_str)))
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let Some(args) = crate::parse_task_args::<Args>("cargo xtask bench http", args)? else {
+        return Ok(());
+    };
     ensure!(args.seconds > 0, "--seconds must be at least 1");
     ensure!(
         !args.connections.is_empty() && args.connections.iter().all(|&c| c > 0),

@@ -91,9 +91,9 @@ struct Args {
 
 /// Entry point of `cargo xtask flood ARGS`.
 pub(crate) fn main(args: &[String]) -> Result<()> {
-    let mut args =
-        Args::try_parse_from(std::iter::once("flood").chain(args.iter().map(String::as_str)))
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let Some(mut args) = crate::parse_task_args::<Args>("cargo xtask flood", args)? else {
+        return Ok(());
+    };
     ensure!(args.connections > 0, "--connections must be at least 1");
     if args.scenarios.is_empty() {
         args.scenarios = Scenario::value_variants().to_vec();

@@ -55,10 +55,9 @@ struct Args {
     reason = "the table is the task's output; progress goes to stderr"
 )]
 pub(crate) fn main(args: &[String]) -> Result<()> {
-    let args = Args::try_parse_from(
-        std::iter::once("instructions").chain(args.iter().map(String::as_str)),
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let Some(args) = crate::parse_task_args::<Args>("cargo xtask instructions", args)? else {
+        return Ok(());
+    };
     ensure!(args.calls > 0, "--calls must be at least 1");
     let configs = selected(&args.only)?;
     check_valgrind()?;

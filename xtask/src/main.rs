@@ -106,10 +106,51 @@ fn cargo(args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
     Ok(())
 }
 
+/// Parses a task's arguments (`name` is how its usage names it). `None` once clap has
+/// printed the help or version a user asked for: that is the task's whole output, not an
+/// error.
+fn parse_task_args<A: clap::Parser>(name: &str, args: &[String]) -> Result<Option<A>> {
+    match A::try_parse_from(std::iter::once(name).chain(args.iter().map(String::as_str))) {
+        Ok(parsed) => Ok(Some(parsed)),
+        Err(e) if !e.use_stderr() => {
+            e.print().context("printing help")?;
+            Ok(None)
+        }
+        Err(e) => bail!("{e}"),
+    }
+}
+
 /// The workspace root (xtask lives one level below it).
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(clap::Parser, Debug)]
+    struct Demo {
+        #[arg(long, default_value_t = 1)]
+        n: u32,
+    }
+
+    fn parse(args: &[&str]) -> anyhow::Result<Option<Demo>> {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        super::parse_task_args::<Demo>("demo", &args)
+    }
+
+    #[test]
+    fn help_is_output_and_bad_arguments_are_errors() {
+        assert_eq!(parse(&["--n", "3"]).ok().flatten().map(|d| d.n), Some(3));
+        assert_eq!(parse(&[]).ok().flatten().map(|d| d.n), Some(1));
+        assert!(matches!(parse(&["--help"]), Ok(None)));
+        let err = parse(&["--n", "x"]).err().map(|e| e.to_string());
+        assert!(
+            err.is_some_and(|e| e.contains("--n")),
+            "the error names the argument"
+        );
+        assert!(parse(&["--nope"]).is_err());
+    }
 }

@@ -97,17 +97,8 @@ pub(crate) struct ReplayOutcome {
 
 /// `cargo xtask replay ARGS`.
 pub(crate) fn main(args: &[String]) -> Result<()> {
-    let parsed = ReplayArgs::try_parse_from(
-        std::iter::once("cargo xtask replay".to_owned()).chain(args.iter().cloned()),
-    );
-    let parsed = match parsed {
-        Ok(p) => p,
-        Err(e) if !e.use_stderr() => {
-            // --help / --version.
-            e.print().context("printing help")?;
-            return Ok(());
-        }
-        Err(e) => bail!("{e}"),
+    let Some(parsed) = crate::parse_task_args::<ReplayArgs>("cargo xtask replay", args)? else {
+        return Ok(());
     };
     let plan = plan(parsed)?;
     let outcome = run(&plan)?;
