@@ -2512,7 +2512,7 @@ struct RosterRows<'a, const DENSE: bool, const BOUND: bool> {
 
 impl<'a> RosterRows<'a, false, false> {
     /// The same rows read through the per-slot hits (the caller checked
-    /// [`RowHits::is_dense`]) and, when `bound`, through ledger slots without key checks
+    /// [`RowHits::is_dense`]) and, with `BOUND`, through ledger slots without key checks
     /// (the caller checked [`Roster::bound_to`] under the ledger lock it holds).
     fn per_slot<const BOUND: bool>(&self) -> RosterRows<'a, true, BOUND> {
         RosterRows {
