@@ -189,7 +189,11 @@
 //!   binary hashed 4,096 tokens in 1.6–2.3 µs). Hashing alone is ≈ 40 % of the
 //!   instructions and is at the floor of safe scalar XXH3 (≈ 67 instructions per 16-token
 //!   block and its chain link); 5 µs would need ≈ 37 k instructions at this machine's
-//!   usual rate.
+//!   usual rate. The third session found the VM bimodal (docs/architecture.md): per-call
+//!   medians of the cycle were 3.75–4.2 µs in its fast mode and 6.3–6.9 µs in its slow
+//!   one, and the 21 criterion medians taken at 42.6 k instructions ranged 4.6–8.1 µs
+//!   (6.3 µs their median). The slow mode slows the fixed, straight-line part of a cycle
+//!   (1.7× at 128 workers / 256 tokens) more than the tight loops (1.3–1.4×).
 //! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
 //!   extended by host_pinned continuations, and sources whose prefix runs past it are not
 //!   eligible. Policy files are parsed by the app; the core takes the resulting
