@@ -206,7 +206,9 @@ pub struct SelectionCore {
     policy_factory: Option<PolicyFactory>,
     state: RwLock<State>,
     catalog_mutation: Mutex<()>,
-    reservations: Mutex<HashMap<String, ReservationRow>>,
+    /// Keyed by the id the ledger books under: a claim allocates it once, the booking
+    /// shares it.
+    reservations: Mutex<HashMap<ReservationId, ReservationRow>>,
     pending: Mutex<PendingCache>,
     ingress: Ingress,
     shut_down: AtomicBool,
@@ -393,7 +395,7 @@ impl SelectionCore {
         let replace = rows.get(id).is_none_or(|r| Arc::ptr_eq(&r.partition, p));
         if replace {
             rows.insert(
-                id.to_owned(),
+                ReservationId::from(id),
                 ReservationRow {
                     partition: Arc::clone(p),
                     state: RowState::Booked,
@@ -882,6 +884,7 @@ impl SelectionCore {
             if let (Some(claim), Some(id)) = (claim.as_ref(), selection_id.as_ref()) {
                 let booking = Booking {
                     id,
+                    rid: &claim.rid,
                     worker: selection.worker,
                     tracking: &tracking,
                     isl,
@@ -933,7 +936,9 @@ impl SelectionCore {
                 self.metrics.pending_evictions.inc_by(evicted as u64);
             }
             Ok(SelectResponse {
-                selection_id: selection_id.clone(),
+                // The request's own id (or the generated one) moves into the answer; the
+                // reservation index and the ledger share the claim's copy.
+                selection_id,
                 sequence_hashes: book.then_some(tracking),
                 isl_tokens: book.then_some(isl),
                 track_prefill_tokens: book.then_some(track),
@@ -1519,15 +1524,12 @@ impl SelectionCore {
 
     // ---------------------------------------------------------------- reservations
 
-    fn claim<'a>(
-        &'a self,
-        id: &'a str,
-        partition: &Arc<Partition>,
-    ) -> Result<Claim<'a>, SelectionError> {
+    fn claim(&self, id: &str, partition: &Arc<Partition>) -> Result<Claim<'_>, SelectionError> {
         let mut rows = self.reservations.lock();
         let len = rows.len();
+        let rid = ReservationId::from(id);
         // One probe: the entry is the conflict check and the insert.
-        let std::collections::hash_map::Entry::Vacant(slot) = rows.entry(id.to_owned()) else {
+        let std::collections::hash_map::Entry::Vacant(slot) = rows.entry(rid.clone()) else {
             return Err(SelectionError::conflict(format!(
                 "selection {id} is already reserved or being reserved"
             )));
@@ -1549,7 +1551,7 @@ impl SelectionCore {
         });
         Ok(Claim {
             core: self,
-            id,
+            rid,
             installed: AtomicBool::new(false),
         })
     }
@@ -1581,7 +1583,7 @@ impl SelectionCore {
             }
             _ => Vec::new(),
         };
-        let booked = ledger.book(ReservationId::new(b.id), &req, slot, now);
+        let booked = ledger.book(b.rid.clone(), &req, slot, now);
         drop(ledger);
         self.metrics
             .expired_reservations
@@ -1698,6 +1700,7 @@ impl SelectionCore {
         let claim = self.claim(&req.selection_id, &partition)?;
         let booking = Booking {
             id: &req.selection_id,
+            rid: &claim.rid,
             worker,
             tracking: &scratch.tracking,
             isl,
@@ -1758,6 +1761,7 @@ impl SelectionCore {
         };
         let booking = Booking {
             id: &req.selection_id,
+            rid: &claim.rid,
             worker,
             tracking: &cached.tracking_hashes,
             isl: cached.isl,
@@ -1917,7 +1921,7 @@ impl SelectionCore {
         rows.retain(|id, row| match row.state {
             RowState::Claimed => true,
             RowState::Booked => {
-                let live = row.partition.ledger.lock().contains(id);
+                let live = row.partition.ledger.lock().contains(id.as_str());
                 if !live {
                     row.release_session(now);
                 }
@@ -2210,6 +2214,8 @@ impl IngressSink for std::sync::Weak<SelectionCore> {
 /// One booking's inputs, as the ledger and the replica peers both need them.
 struct Booking<'a> {
     id: &'a str,
+    /// `id` as the claim allocated it, for the ledger.
+    rid: &'a ReservationId,
     worker: WorkerKey,
     tracking: &'a [SequenceHash],
     isl: u64,
@@ -2223,7 +2229,8 @@ struct Booking<'a> {
 /// An id claimed in the reservation index; released on drop unless installed.
 struct Claim<'a> {
     core: &'a SelectionCore,
-    id: &'a str,
+    /// The id, as the index keys it and the ledger books it.
+    rid: ReservationId,
     installed: AtomicBool,
 }
 
@@ -2233,7 +2240,7 @@ impl Claim<'_> {
     }
 
     fn install_with_session(&self, session: Option<String>) {
-        if let Some(row) = self.core.reservations.lock().get_mut(self.id) {
+        if let Some(row) = self.core.reservations.lock().get_mut(&self.rid) {
             row.state = RowState::Booked;
             row.session = session;
         }
@@ -2435,13 +2442,13 @@ impl Drop for Claim<'_> {
         if !self.installed.load(Ordering::Relaxed) {
             let mut rows = self.core.reservations.lock();
             if matches!(
-                rows.get(self.id),
+                rows.get(&self.rid),
                 Some(ReservationRow {
                     state: RowState::Claimed,
                     ..
                 })
             ) {
-                rows.remove(self.id);
+                rows.remove(&self.rid);
             }
         }
     }
