@@ -883,8 +883,7 @@ impl SelectionCore {
             let mut kv_hint = None;
             if let (Some(claim), Some(id)) = (claim.as_ref(), selection_id.as_ref()) {
                 let booking = Booking {
-                    id,
-                    rid: &claim.rid,
+                    id: &claim.rid,
                     worker: selection.worker,
                     tracking: &tracking,
                     isl,
@@ -1583,7 +1582,7 @@ impl SelectionCore {
             }
             _ => Vec::new(),
         };
-        let booked = ledger.book(b.rid.clone(), &req, slot, now);
+        let booked = ledger.book(b.id.clone(), &req, slot, now);
         drop(ledger);
         self.metrics
             .expired_reservations
@@ -1606,7 +1605,7 @@ impl SelectionCore {
         let lora = b.lora_name.map(str::to_owned);
         crate::replica::publish(
             Some(&mesh),
-            crate::replica::sequence_event(partition, b.id, b.worker, lora, kind),
+            crate::replica::sequence_event(partition, b.id.as_str(), b.worker, lora, kind),
         );
         if let Some(update) = binding
             && mesh.session_affinity()
@@ -1699,8 +1698,7 @@ impl SelectionCore {
         });
         let claim = self.claim(&req.selection_id, &partition)?;
         let booking = Booking {
-            id: &req.selection_id,
-            rid: &claim.rid,
+            id: &claim.rid,
             worker,
             tracking: &scratch.tracking,
             isl,
@@ -1760,8 +1758,7 @@ impl SelectionCore {
             _ => SessionGuard::none(),
         };
         let booking = Booking {
-            id: &req.selection_id,
-            rid: &claim.rid,
+            id: &claim.rid,
             worker,
             tracking: &cached.tracking_hashes,
             isl: cached.isl,
@@ -2213,9 +2210,8 @@ impl IngressSink for std::sync::Weak<SelectionCore> {
 
 /// One booking's inputs, as the ledger and the replica peers both need them.
 struct Booking<'a> {
-    id: &'a str,
-    /// `id` as the claim allocated it, for the ledger.
-    rid: &'a ReservationId,
+    /// The id as the claim allocated it (the ledger books under a clone of it).
+    id: &'a ReservationId,
     worker: WorkerKey,
     tracking: &'a [SequenceHash],
     isl: u64,
