@@ -532,6 +532,10 @@ pub struct WorkerRecord {
     pub kv_event_source_mode: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_schedulable_reasons: Vec<String>,
+    /// Problems of a schedulable worker's KV listeners (beyond-reference #10); omitted when
+    /// there are none, so a healthy record has the reference's shape.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 impl WorkerRecord {
@@ -566,6 +570,7 @@ impl WorkerRecord {
             router_hint_source_control_endpoints: req.router_hint_source_control_endpoints,
             kv_event_source_mode: req.kv_event_source_mode,
             not_schedulable_reasons,
+            warnings: Vec::new(),
         }
     }
 }

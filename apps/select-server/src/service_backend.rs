@@ -184,6 +184,7 @@ pub(crate) fn worker_record(r: WorkerCatalogRecord) -> WorkerRecord {
         router_hint_source_control_endpoints: w.router_hint_source_control_endpoints,
         kv_event_source_mode: w.kv_event_source_mode,
         not_schedulable_reasons: r.not_schedulable_reasons,
+        warnings: r.warnings,
     }
 }
 

@@ -277,6 +277,13 @@ impl SelectionCore {
         self.ingress.stats()
     }
 
+    /// The (worker, rank) listeners that receive no events because they failed (a socket
+    /// error, or an endpoint libzmq refused at connect), in key order. The worker's catalog
+    /// record says why, in `warnings`.
+    pub fn failed_listeners(&self) -> Vec<WorkerKey> {
+        self.ingress.failed()
+    }
+
     /// Seq of the last batch applied by a rank's listener.
     pub fn listener_watermark(&self, key: WorkerKey) -> Option<u64> {
         self.ingress.watermark(key)
@@ -483,11 +490,13 @@ impl SelectionCore {
         } else {
             Lifecycle::Incomplete
         };
+        // A refused endpoint is known at once; later listener failures appear in listings.
+        let warnings = self.ingress.warnings(WorkerId(record.worker_id));
         let out = WorkerCatalogRecord {
             worker: record,
             lifecycle,
             not_schedulable_reasons: reasons,
-            warnings: Vec::new(),
+            warnings,
         };
         let old = {
             let mut state = self.state.write();

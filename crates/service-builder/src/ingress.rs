@@ -32,9 +32,62 @@ struct Registered {
     endpoint: String,
     replay_endpoint: Option<String>,
     partition: Arc<Partition>,
-    listener: KvEventListener,
+    listener: RankListener,
     /// Dropped after the listener (declaration order): its sockets are closed by then.
-    _context: ContextLease,
+    /// `None` for a refused endpoint, which holds no socket.
+    _context: Option<ContextLease>,
+}
+
+/// A rank's listener, or the connect error of an endpoint libzmq refused.
+///
+/// Endpoints are only syntax-checked (http-api §4.2): libzmq refuses some valid-looking ones
+/// at connect time, such as `tcp://*:5557` (a wildcard host can be bound, not connected
+/// to). The reference keeps such a worker schedulable and selectable, without events
+/// (transcript steps 75–76), so a refused rank is kept too, shown as failed in the
+/// worker's warnings and in `/metrics` (beyond-reference #10).
+#[derive(Debug)]
+enum RankListener {
+    Running(KvEventListener),
+    Refused { error: String },
+}
+
+impl RankListener {
+    fn request_stop(&self) {
+        if let Self::Running(l) = self {
+            l.request_stop();
+        }
+    }
+
+    fn stop(self) {
+        if let Self::Running(l) = self {
+            l.stop();
+        }
+    }
+
+    /// Why the listener is not receiving events, if it failed.
+    fn failure(&self) -> Option<String> {
+        match self {
+            Self::Running(l) => match l.state() {
+                ListenerState::Failed { error } => Some(error),
+                _ => None,
+            },
+            Self::Refused { error } => Some(error.clone()),
+        }
+    }
+
+    fn stats(&self) -> Option<&Arc<ListenerStats>> {
+        match self {
+            Self::Running(l) => Some(l.stats()),
+            Self::Refused { .. } => None,
+        }
+    }
+
+    fn watermark(&self) -> Option<u64> {
+        match self {
+            Self::Running(l) => l.watermark(),
+            Self::Refused { .. } => None,
+        }
+    }
 }
 
 /// Listeners given one ZMQ context. libzmq refuses a context's 1,024th socket
@@ -256,7 +309,7 @@ impl Ingress {
             }
         }
         let block_size = record.block_size.unwrap_or(0);
-        let mut started = BTreeMap::new();
+        let mut started: BTreeMap<WorkerKey, Registered> = BTreeMap::new();
         for (rank, ep) in endpoints.iter().filter(|(r, _)| !retained.contains(r)) {
             let key = WorkerKey::new(record.worker_id, *rank);
             let mut cfg = ListenerConfig::new(key, ep.clone(), block_size)
@@ -272,18 +325,21 @@ impl Ingress {
             let started_on = self.groups.group().and_then(|group| {
                 KvEventListener::start_on(&group, &lease.0.ctx, cfg, Arc::new(apply))
             });
-            match started_on {
-                Ok(l) => {
-                    started.insert(
-                        key,
-                        Registered {
-                            endpoint: ep.clone(),
-                            replay_endpoint: record.replay_endpoint.clone(),
-                            partition: Arc::clone(partition),
-                            listener: l,
-                            _context: lease,
-                        },
+            let (listener, context) = match started_on {
+                Ok(l) => (RankListener::Running(l), Some(lease)),
+                Err(
+                    e @ ListenerError::Zmq {
+                        operation: "connect",
+                        ..
+                    },
+                ) => {
+                    tracing::warn!(
+                        worker_id = record.worker_id,
+                        dp_rank = rank,
+                        "kv_events endpoint refused, the rank gets no events: {e}"
                     );
+                    let error = e.to_string();
+                    (RankListener::Refused { error }, None)
                 }
                 Err(e) => {
                     for (_, r) in started {
@@ -293,7 +349,17 @@ impl Ingress {
                         "failed to start kv_events listener for dp_rank {rank}: {e}"
                     ));
                 }
-            }
+            };
+            started.insert(
+                key,
+                Registered {
+                    endpoint: ep.clone(),
+                    replay_endpoint: record.replay_endpoint.clone(),
+                    partition: Arc::clone(partition),
+                    listener,
+                    _context: context,
+                },
+            );
         }
         self.listeners.lock().extend(started);
         Ok(())
@@ -326,19 +392,31 @@ impl Ingress {
         let mut out: Vec<(u32, String)> = listeners
             .iter()
             .filter(|(k, _)| k.worker_id == worker_id)
-            .filter_map(|(k, r)| match r.listener.state() {
-                ListenerState::Failed { error } => Some((
+            .filter_map(|(k, r)| {
+                let error = r.listener.failure()?;
+                Some((
                     k.dp_rank.0,
                     format!(
                         "kv_events listener for dp_rank {} failed: {error}",
                         k.dp_rank
                     ),
-                )),
-                _ => None,
+                ))
             })
             .collect();
         out.sort();
         out.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// Every failed listener (`/metrics`), in key order.
+    pub(crate) fn failed(&self) -> Vec<WorkerKey> {
+        let listeners = self.listeners.lock();
+        let mut out: Vec<WorkerKey> = listeners
+            .iter()
+            .filter(|(_, r)| r.listener.failure().is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        out.sort();
+        out
     }
 
     /// Per-listener statistics for `/metrics`.
@@ -346,7 +424,7 @@ impl Ingress {
         let listeners = self.listeners.lock();
         let mut out: Vec<(WorkerKey, Arc<ListenerStats>)> = listeners
             .iter()
-            .map(|(k, r)| (*k, Arc::clone(r.listener.stats())))
+            .filter_map(|(k, r)| Some((*k, Arc::clone(r.listener.stats()?))))
             .collect();
         out.sort_by_key(|(k, _)| *k);
         out

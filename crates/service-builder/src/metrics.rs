@@ -658,6 +658,22 @@ fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fm
                 .map(|(k, s)| (rank(k), field(s).load(Ordering::Relaxed))),
         )?;
     }
+    let failed = core.failed_listeners();
+    single(
+        enc,
+        "kv_listeners_failed",
+        "KV listeners receiving no events because they failed (the worker's catalog record \
+         says why).",
+        MetricType::Gauge,
+        failed.len() as u64,
+    )?;
+    rows(
+        enc,
+        "kv_listener_failed",
+        "1 for each failed KV listener (only failed ones are listed).",
+        MetricType::Gauge,
+        failed.iter().map(|k| (rank(k), 1)),
+    )?;
     // Per listener, a reason appears once it has happened: with every reason of every
     // listener at 0, 5,000 event-driven workers made a 9 MB, 105 k-line scrape (past the
     // sample limits scrapers commonly set), and 1,200 took 2.2 MB (0.39 MB now). The

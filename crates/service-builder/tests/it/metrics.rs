@@ -254,3 +254,51 @@ fn admission_queue_depth_and_waits_are_exported_per_partition() {
     has(&text, "kv_select_admission_waits_total 1");
     has(&text, "kv_select_admission_wait_duration_seconds_count 1");
 }
+
+#[test]
+fn an_endpoint_libzmq_refuses_keeps_the_worker_schedulable_and_shows_as_failed() {
+    // `tcp://*:5557` passes the syntax check, but a wildcard host can only be bound: libzmq
+    // refuses the connect. The reference keeps such a worker schedulable and selectable
+    // (transcript steps 75-76); the operator sees the failure.
+    let c = core(CoreConfig::default());
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    let refused = WorkerRequest {
+        kv_events_endpoint: Some("tcp://*:5557".into()),
+        ..worker(9)
+    };
+    let record = c.upsert_worker(refused.clone()).unwrap();
+    assert_eq!(record.lifecycle, service_builder::Lifecycle::Schedulable);
+    assert!(record.not_schedulable_reasons.is_empty(), "{record:?}");
+    assert_eq!(record.warnings.len(), 1, "{record:?}");
+    assert!(
+        record.warnings[0].starts_with("kv_events listener for dp_rank 0 failed: zmq connect")
+            && record.warnings[0].contains("tcp://*:5557"),
+        "{record:?}"
+    );
+    assert_eq!(c.list_workers(None, None)[0].warnings, record.warnings);
+    assert_eq!(c.failed_listeners(), [WorkerKey::new(9, 0)]);
+    let text = encode(&registry);
+    has(&text, "kv_select_kv_listeners_failed 1");
+    has(
+        &text,
+        "kv_select_kv_listener_failed{worker_id=\"9\",dp_rank=\"0\"} 1",
+    );
+    assert_eq!(c.select(select(tokens(16))).unwrap().worker_id, 9);
+
+    // Re-posting the same record keeps the refusal; a reachable endpoint clears it.
+    assert_eq!(c.upsert_worker(refused).unwrap().warnings, record.warnings);
+    let (_ctx, _publisher, endpoint) = bound_publisher();
+    let fixed = c
+        .upsert_worker(WorkerRequest {
+            kv_events_endpoint: Some(endpoint),
+            ..worker(9)
+        })
+        .unwrap();
+    assert!(fixed.warnings.is_empty(), "{fixed:?}");
+    assert!(c.failed_listeners().is_empty());
+    let text = encode(&registry);
+    has(&text, "kv_select_kv_listeners_failed 0");
+    assert!(!text.contains("kv_select_kv_listener_failed{"), "{text}");
+    c.shutdown();
+}
