@@ -11,4 +11,5 @@ mod mesh;
 mod routes;
 mod serve;
 mod shapes;
+mod transcript;
 mod vllm_interop;
