@@ -1,10 +1,13 @@
-//! The reference transcript replayed against the real binary: steps 1-106 (every step on
-//! one service, driven over HTTP alone) in order, each status code exact and each body
-//! equal to the reference's, except where the transcript itself says a result is random
-//! (the worker chosen among equal-cost ones, a generated id) or where
-//! `spec/beyond-reference.md` lists a deliberate difference. Those exceptions are listed
-//! here step by step, with what is checked instead. `tests/data/reference-transcript.md`
-//! is a verbatim copy of `spec/reference-transcript.md`.
+//! The reference transcript replayed against the real binary, every step in order: steps
+//! 1-106 and 121-127 on peer A, 116-120 on peer B (started from A's dump with
+//! `--indexer-peers`), 128-135 on peer C (`--session-affinity-ttl-secs 60`), with a ZMQ
+//! publisher sending the engine events the transcript describes between steps 109 and
+//! 126. Each status code is exact and each body equal to the reference's, except where the
+//! transcript itself says a result is random (the worker chosen among equal-cost ones, a
+//! generated id) or where `spec/beyond-reference.md` lists a deliberate difference. Those
+//! exceptions are listed here step by step, with what is checked instead.
+//! `tests/data/reference-transcript.md` is a verbatim copy of
+//! `spec/reference-transcript.md`.
 
 #![expect(
     clippy::unwrap_used,
@@ -20,13 +23,20 @@ use crate::http::{free_port, raw, spawn_on_free_port};
 
 const TRANSCRIPT: &str = include_str!("../data/reference-transcript.md");
 
-/// The last step that needs only one service and HTTP (107 on need a KV publisher).
-const LAST_HTTP_STEP: u32 = 106;
+/// The transcript's last step.
+const LAST_STEP: u32 = 135;
+
+/// The reference peers' HTTP ports in the transcript: A, B and C.
+const PEER_A: u16 = 18092;
+const PEER_B: u16 = 18093;
+const PEER_C: u16 = 18095;
 
 #[derive(Debug)]
 struct Step {
     n: u32,
     title: String,
+    /// The reference peer's port ([`PEER_A`], [`PEER_B`] or [`PEER_C`]).
+    peer: u16,
     method: String,
     path: String,
     content_type: Option<String>,
@@ -43,9 +53,6 @@ fn steps() -> Vec<Step> {
         let (head, rest) = section.split_once('\n').unwrap();
         let (n, title) = head.split_once(". ").unwrap();
         let n: u32 = n.parse().unwrap();
-        if n > LAST_HTTP_STEP {
-            break;
-        }
         // "`POST /select`  (`curl -X POST -H 'content-type: application/json' ...`)"
         let line = rest
             .lines()
@@ -53,6 +60,8 @@ fn steps() -> Vec<Step> {
             .unwrap_or_else(|| panic!("step {n} has no request line"));
         let (request, curl) = line[1..].split_once('`').unwrap();
         let (method, path) = request.split_once(' ').unwrap();
+        let (_, url) = curl.rsplit_once(" http://127.0.0.1:").unwrap();
+        let peer = url.split_once('/').unwrap().0.parse().unwrap();
         let content_type = curl
             .split_once("-H 'content-type: ")
             .map(|(_, t)| t.split_once('\'').unwrap().0.to_owned());
@@ -65,6 +74,7 @@ fn steps() -> Vec<Step> {
         out.push(Step {
             n,
             title: title.to_owned(),
+            peer,
             method: method.to_owned(),
             path: path.to_owned(),
             content_type,
@@ -83,8 +93,10 @@ enum Expect {
     Choice,
     /// [`Expect::Choice`], and the service generated the `selection_id` (a UUID).
     ChoiceWithGeneratedId,
-    /// Replays the selection cached at step `.0`: the same worker as chosen there.
+    /// The same worker as chosen at step `.0` (a replayed selection, a session binding).
     SameChoiceAs(u32),
+    /// Not the worker chosen at step `.0` (it carries that step's load).
+    OtherChoiceThan(u32),
     /// Loads after bookings on chosen workers: the same rows, and the same totals of each
     /// load field over them.
     LoadsAfterChoices,
@@ -163,6 +175,14 @@ fn exceptions() -> BTreeMap<u32, Expect> {
         (92, Choice),
         (99, Choice),
         (106, Choice),
+        (109, Choice),
+        (124, Choice),
+        (126, Choice),
+        (130, Choice),
+        (131, SameChoiceAs(130)),
+        (132, OtherChoiceThan(130)),
+        (133, SameChoiceAs(130)),
+        (134, SameChoiceAs(130)),
     ])
 }
 
@@ -288,26 +308,181 @@ impl Drop for Server {
     }
 }
 
+fn start(args: &[&str]) -> Server {
+    let (child, port) =
+        spawn_on_free_port(args, &[], |_| Stdio::null()).expect("server listens within 20 s");
+    Server(child, port)
+}
+
+/// The transcript's engine (`publish_kv_events.py` on 127.0.0.1:15557, worker 10): an XPUB
+/// socket, so the test knows when the service's subscription has arrived and no event is
+/// lost to ZMQ's late joining.
+struct Engine {
+    socket: zmq::Socket,
+    _ctx: zmq::Context,
+    subscribed: bool,
+}
+
+/// One engine event of the vLLM positional form (`kv-events.md` §5).
+enum Event {
+    Stored {
+        hashes: std::ops::Range<u64>,
+        parent: Option<u64>,
+        tokens: std::ops::Range<u32>,
+        medium: &'static str,
+    },
+    Removed(std::ops::Range<u64>),
+    Cleared,
+}
+
+impl Engine {
+    fn bind(endpoint: &str) -> Engine {
+        let ctx = zmq::Context::new();
+        let socket = ctx.socket(zmq::XPUB).unwrap();
+        socket.bind(endpoint).unwrap();
+        socket.set_rcvtimeo(15_000).unwrap();
+        Engine {
+            socket,
+            _ctx: ctx,
+            subscribed: false,
+        }
+    }
+
+    /// Sends one batch `[ts, [event], 0]` with sequence number `seq`.
+    fn send(&mut self, seq: u64, event: Event) {
+        if !self.subscribed {
+            let frame = self.socket.recv_bytes(0).expect("the service subscribes");
+            assert_eq!(frame, [1], "a subscription to every topic");
+            self.subscribed = true;
+        }
+        use rmp::encode::*;
+        let mut b = Vec::new();
+        write_array_len(&mut b, 3).unwrap();
+        write_f64(&mut b, 0.0).unwrap();
+        write_array_len(&mut b, 1).unwrap();
+        match event {
+            Event::Stored {
+                hashes,
+                parent,
+                tokens,
+                medium,
+            } => {
+                write_array_len(&mut b, 7).unwrap();
+                write_str(&mut b, "BlockStored").unwrap();
+                write_array_len(&mut b, hashes.clone().count() as u32).unwrap();
+                for h in hashes {
+                    write_uint(&mut b, h).unwrap();
+                }
+                match parent {
+                    Some(p) => write_uint(&mut b, p).map(drop).unwrap(),
+                    None => write_nil(&mut b).unwrap(),
+                }
+                write_array_len(&mut b, tokens.clone().count() as u32).unwrap();
+                for t in tokens {
+                    write_uint(&mut b, u64::from(t)).unwrap();
+                }
+                write_uint(&mut b, 16).unwrap();
+                write_nil(&mut b).unwrap();
+                write_str(&mut b, medium).unwrap();
+            }
+            Event::Removed(hashes) => {
+                write_array_len(&mut b, 2).unwrap();
+                write_str(&mut b, "BlockRemoved").unwrap();
+                write_array_len(&mut b, hashes.clone().count() as u32).unwrap();
+                for h in hashes {
+                    write_uint(&mut b, h).unwrap();
+                }
+            }
+            Event::Cleared => {
+                write_array_len(&mut b, 1).unwrap();
+                write_str(&mut b, "AllBlocksCleared").unwrap();
+            }
+        }
+        write_uint(&mut b, 0).unwrap();
+        self.socket
+            .send_multipart([&b""[..], &seq.to_be_bytes()[..], &b[..]], 0)
+            .unwrap();
+    }
+}
+
+/// Waits (up to 15 s) until worker 10's listener on `server` shows `count` in `series`.
+fn wait_for_listener(server: &Server, series: &str, count: u64) {
+    let line = format!("kv_select_{series}_total{{worker_id=\"10\",dp_rank=\"0\"}} {count}");
+    let seen = testkit::poll_until(std::time::Duration::from_secs(15), || {
+        let (_, text) = raw(server.1, "GET", "/metrics", None, b"");
+        text.lines().any(|l| l == line)
+    });
+    assert!(seen, "no `{line}` in /metrics within 15 s");
+}
+
+/// The transcript's publisher runs (between the steps they precede), then a wait until the
+/// service has taken the batch in: applied, or (a restarted publisher at seq 0) dropped as
+/// stale.
+fn publish_before(step: u32, engine: &mut Engine, a: &Server) {
+    let gpu = |blocks: u64| Event::Stored {
+        hashes: 1_000_000..1_000_000 + blocks,
+        parent: None,
+        tokens: 0..blocks as u32 * 16,
+        medium: "GPU",
+    };
+    let (seq, event, series, count) = match step {
+        110 => (0, gpu(8), "kv_batches_applied", 1),
+        121 => (0, gpu(16), "kv_stale_batches", 1),
+        122 => (1, gpu(16), "kv_batches_applied", 2),
+        123 => (
+            2,
+            Event::Stored {
+                hashes: 1_000_016..1_000_020,
+                parent: Some(1_000_015),
+                tokens: 256..320,
+                medium: "CPU",
+            },
+            "kv_batches_applied",
+            3,
+        ),
+        124 => (
+            3,
+            Event::Removed(1_000_000..1_000_016),
+            "kv_batches_applied",
+            4,
+        ),
+        125 => (4, gpu(8), "kv_batches_applied", 5),
+        126 => (5, Event::Cleared, "kv_batches_applied", 6),
+        _ => return,
+    };
+    engine.send(seq, event);
+    wait_for_listener(a, series, count);
+}
+
 #[test]
 fn the_reference_transcript_replays_step_by_step() {
     let steps = steps();
     assert_eq!(
         steps.iter().map(|s| s.n).collect::<Vec<_>>(),
-        (1..=LAST_HTTP_STEP).collect::<Vec<_>>(),
-        "every step up to {LAST_HTTP_STEP} parsed"
+        (1..=LAST_STEP).collect::<Vec<_>>(),
+        "every step parsed"
     );
     let ports = port_map(&steps);
-    // The reference ran with `--replica-sync-port` (steps 36-39 register a peer).
+    let mut engine = Engine::bind(&remap("tcp://127.0.0.1:15557", &ports));
+    // The reference ran A with `--replica-sync-port` (steps 36-39 register a peer).
     let replica_port = free_port().to_string();
-    let (child, port) = spawn_on_free_port(&["--replica-sync-port", &replica_port], &[], |_| {
-        Stdio::null()
-    })
-    .expect("server listens within 20 s");
-    let server = Server(child, port);
+    let a = start(&["--replica-sync-port", &replica_port]);
+    let mut b: Option<Server> = None;
+    let mut c: Option<Server> = None;
     let exceptions = exceptions();
     let mut chosen: BTreeMap<u32, u64> = BTreeMap::new();
 
     for step in &steps {
+        publish_before(step.n, &mut engine, &a);
+        let server = match step.peer {
+            PEER_A => &a,
+            // B recovers A's index at startup (after step 115).
+            PEER_B => b.get_or_insert_with(|| {
+                start(&["--indexer-peers", &format!("http://127.0.0.1:{}", a.1)])
+            }),
+            PEER_C => c.get_or_insert_with(|| start(&["--session-affinity-ttl-secs", "60"])),
+            other => panic!("step {}: unknown peer {other}", step.n),
+        };
         let what = format!("step {} ({})", step.n, step.title);
         let body = remap(&String::from_utf8(request_body(step)).unwrap(), &ports);
         let (status, text) = raw(
@@ -344,7 +519,10 @@ fn the_reference_transcript_replays_step_by_step() {
                 let reference: Value = serde_json::from_str(&reference).unwrap();
                 assert_eq!(ours, reference, "{what}");
             }
-            Expect::Choice | Expect::ChoiceWithGeneratedId | Expect::SameChoiceAs(_) => {
+            Expect::Choice
+            | Expect::ChoiceWithGeneratedId
+            | Expect::SameChoiceAs(_)
+            | Expect::OtherChoiceThan(_) => {
                 let mut reference: Value = serde_json::from_str(&reference).unwrap();
                 let (worker, rank, endpoint, ranks) = take_choice(&mut ours);
                 let (_, _, _, reference_ranks) = take_choice(&mut reference);
@@ -357,13 +535,24 @@ fn the_reference_transcript_replays_step_by_step() {
                     );
                     reference.as_object_mut().unwrap().remove("selection_id");
                 }
-                if let Expect::SameChoiceAs(earlier) = expect {
-                    assert_eq!(Some(&worker), chosen.get(earlier), "{what}");
+                match expect {
+                    Expect::SameChoiceAs(earlier) => {
+                        assert_eq!(Some(&worker), chosen.get(earlier), "{what}");
+                    }
+                    Expect::OtherChoiceThan(earlier) => {
+                        let theirs = chosen.get(earlier).unwrap();
+                        assert_ne!(&worker, theirs, "{what}");
+                    }
+                    _ => {}
                 }
                 chosen.insert(step.n, worker);
-                // The transcript's workers serve at 127.0.0.1:1800<id>; worker 4 is the
+                // The transcript's workers serve at 127.0.0.1:<18000 + id>; worker 4 is the
                 // only one with two ranks and capacities (step 6).
-                assert_eq!(endpoint, format!("http://127.0.0.1:1800{worker}"), "{what}");
+                assert_eq!(
+                    endpoint,
+                    format!("http://127.0.0.1:{}", 18_000 + worker),
+                    "{what}"
+                );
                 if let Some(load) = ours.get_mut("worker_load") {
                     let capacity = if worker == 4 {
                         serde_json::json!({"prefill_token_capacity": 8192, "total_kv_blocks": 4096})
@@ -390,4 +579,68 @@ fn the_reference_transcript_replays_step_by_step() {
             }
         }
     }
+}
+
+/// The transcript's "Startup flags": each start's exit status and the message it prints.
+#[test]
+fn startup_flags_exit_as_the_reference_does() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = held.local_addr().unwrap().port().to_string();
+    let cases: [(&[&str], i32, &str); 6] = [
+        (
+            &["--replica-sync-peers", "tcp://127.0.0.1:1"],
+            2,
+            "the following required arguments were not provided",
+        ),
+        (
+            &["--session-affinity-ttl-secs", "0"],
+            1,
+            "session affinity TTL must be between 1 and 31536000 seconds",
+        ),
+        (
+            &["--session-affinity-ttl-secs", "31536001"],
+            1,
+            "session affinity TTL must be between 1 and 31536000 seconds",
+        ),
+        (
+            &["--router-tracking-hash", "md5"],
+            2,
+            "router_tracking_hash must be public-xxh3-v1 or keyed-xxh3-v1, got \"md5\"",
+        ),
+        (
+            &["--router-tracking-hash", "keyed-xxh3-v1"],
+            1,
+            "keyed-xxh3-v1 requires router_tracking_key_file",
+        ),
+        (&[], 1, "Address already in use"),
+    ];
+    for (args, code, message) in cases {
+        // Every start is given the port held above, so one that got past its flags would
+        // still end (on the bind) instead of serving.
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_select-server"))
+            .args(["--host", "127.0.0.1", "--port", &taken])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let ended = testkit::poll_until(std::time::Duration::from_secs(20), || {
+            child.try_wait().unwrap().is_some()
+        });
+        if !ended {
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    drop(held);
+
+    // An unreachable indexer peer only logs a warning: the server starts with empty state.
+    let unreachable = format!("http://127.0.0.1:{}", free_port());
+    let server = start(&["--indexer-peers", &unreachable]);
+    let (status, _) = raw(server.1, "GET", "/health", None, b"");
+    assert_eq!(status, 200);
 }
