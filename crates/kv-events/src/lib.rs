@@ -19,7 +19,8 @@
 //!
 //! # Non-goals
 //! The crate knows nothing of the index: whether a parent exists or a removed hash is known
-//! is the sink's business. It reads no environment and owns no global state.
+//! is the sink's business. It reads no environment; its only global state is a counter that
+//! gives each connection monitor its own `inproc://` name.
 //!
 //! # Invariants
 //! - No input bytes can panic the decoder, make it recurse without bound or allocate more
@@ -34,8 +35,12 @@
 //!   drop returns. A stop (or the ready gate's opening) reaches the group's thread at once
 //!   through its waker, idle or mid-replay; only a batch being applied is finished first.
 //!   Callers stopping many call [`KvEventListener::request_stop`] on all of them first, so
-//!   their groups work through them in parallel. Each listener holds its SUB socket (a DEALER
-//!   after its first replay); each group one thread, an epoll instance and an eventfd.
+//!   their groups work through them in parallel. Each listener holds its SUB socket and the
+//!   two PAIR ends of its connection monitor (and a DEALER after its first replay); each
+//!   group one thread, an epoll instance and an eventfd.
+//! - libzmq reconnects silently; the monitor turns its connection events into
+//!   [`ListenerStats::connected`] and reconnect counts, so an endpoint nobody answers on is
+//!   [`ListenerStats::unreachable`] after [`UNREACHABLE_AFTER_RETRIES`] attempts.
 //! - A group never waits on a socket it was told might be readable: a listener is marked
 //!   clear only when `ZMQ_EVENTS` shows its socket empty (see the listener module for the
 //!   edge-triggered `ZMQ_FD` rules), and every group re-checks all its sockets every 5 s.
@@ -82,5 +87,5 @@ pub use listener::{
     ListenerError, ListenerGroup, ListenerState,
 };
 pub use normalize::{FilterReason, Normalizer};
-pub use stats::{DropReason, ListenerStats};
+pub use stats::{DropReason, ListenerStats, UNREACHABLE_AFTER_RETRIES};
 pub use watermark::{SeqObservation, Watermark};

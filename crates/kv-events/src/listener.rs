@@ -304,6 +304,8 @@ impl KvEventListener {
         let sub = new_socket(ctx, zmq::SUB, &config.endpoint, config.max_message_size)?;
         sub.set_subscribe(b"")
             .map_err(zmq_err("subscribe", &config.endpoint))?;
+        // Before the connect, so its first events are seen.
+        let monitor = watch_connection(ctx, &sub, &config);
         sub.connect(&config.endpoint)
             .map_err(zmq_err("connect", &config.endpoint))?;
         let shared = Arc::new(Shared {
@@ -323,9 +325,11 @@ impl KvEventListener {
             },
             config,
             sub,
+            monitor,
             dealer: None,
             slot: 0,
             sub_ready: true,
+            monitor_ready: true,
             dealer_ready: false,
             mode: Mode::Live,
             sink,
@@ -448,6 +452,73 @@ fn new_socket(
     Ok(s)
 }
 
+/// Connection events a listener's monitor reports.
+const MONITORED: [zmq::SocketEvent; 3] = [
+    zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+    zmq::SocketEvent::DISCONNECTED,
+    zmq::SocketEvent::CONNECT_RETRIED,
+];
+
+/// Monitor events read per listener and poll round.
+const MONITOR_BURST: usize = 64;
+
+/// A PAIR socket receiving `sub`'s connection events, or `None` (logged) when libzmq will
+/// not set one up: the monitor only informs, the listener works without it. Costs two
+/// sockets of the context (libzmq's end and this one) and two descriptors.
+fn watch_connection(
+    ctx: &zmq::Context,
+    sub: &zmq::Socket,
+    config: &ListenerConfig,
+) -> Option<zmq::Socket> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let endpoint = format!(
+        "inproc://kv-events-monitor-{}",
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let events = MONITORED
+        .iter()
+        .fold(0i32, |m, e| m | i32::from(e.to_raw()));
+    let pair = sub.monitor(&endpoint, events).and_then(|()| {
+        let pair = ctx.socket(zmq::PAIR)?;
+        pair.set_linger(0)?;
+        pair.connect(&endpoint)?;
+        Ok(pair)
+    });
+    match pair {
+        Ok(pair) => Some(pair),
+        Err(e) => {
+            tracing::warn!(
+                worker_id = config.worker.worker_id.0,
+                dp_rank = config.worker.dp_rank.0,
+                error = %e,
+                "KV-event connection monitor unavailable; reachability is not reported"
+            );
+            None
+        }
+    }
+}
+
+/// Applies one monitor event (`[event u16 LE, value u32 LE]`, then the address frame) to
+/// the listener's connection state.
+fn on_connection_event(stats: &ListenerStats, first: &[u8]) {
+    let Some(event) = first
+        .get(..2)
+        .and_then(|b| <[u8; 2]>::try_from(b).ok())
+        .map(u16::from_le_bytes)
+    else {
+        return;
+    };
+    if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+        stats.connected.store(true, Ordering::Relaxed);
+        stats.retries_since_connected.store(0, Ordering::Relaxed);
+    } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+        stats.connected.store(false, Ordering::Relaxed);
+    } else if event == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+        ListenerStats::add(&stats.connect_retries, 1);
+        ListenerStats::add(&stats.retries_since_connected, 1);
+    }
+}
+
 /// Receives one multipart message (already signalled readable), keeping at most
 /// [`MAX_FRAMES`] frames and draining the rest. Returns the kept frames and the total count.
 fn recv_frames(sock: &zmq::Socket) -> zmq::Result<Option<(Vec<zmq::Message>, usize)>> {
@@ -498,6 +569,12 @@ impl Members<'_> {
             worker.finish(self.registry, ListenerState::Failed { error: e });
             return;
         }
+        if let Some(monitor) = &worker.monitor
+            && let Err(e) = register(self.registry, monitor.get_fd(), monitor_token(slot))
+        {
+            // Without its descriptor the monitor is read by the periodic sweep only.
+            tracing::warn!(error = %e, "KV-event connection monitor not polled");
+        }
         if slot == self.slots.len() {
             self.slots.push(Some(worker));
         } else {
@@ -546,12 +623,19 @@ impl Drop for Members<'_> {
     }
 }
 
+/// Poller tokens: three per slot (SUB, DEALER, monitor).
+const TOKENS_PER_SLOT: usize = 3;
+
 fn sub_token(slot: usize) -> mio::Token {
-    mio::Token(2 * slot)
+    mio::Token(TOKENS_PER_SLOT * slot)
 }
 
 fn dealer_token(slot: usize) -> mio::Token {
-    mio::Token(2 * slot + 1)
+    mio::Token(TOKENS_PER_SLOT * slot + 1)
+}
+
+fn monitor_token(slot: usize) -> mio::Token {
+    mio::Token(TOKENS_PER_SLOT * slot + 2)
 }
 
 fn register(
@@ -649,6 +733,7 @@ fn run_group(group: &GroupShared, mut poll: mio::Poll) {
             for w in members.workers() {
                 w.sub_ready = true;
                 w.dealer_ready = w.dealer.is_some();
+                w.monitor_ready = w.monitor.is_some();
             }
         }
         for event in &events {
@@ -656,13 +741,17 @@ fn run_group(group: &GroupShared, mut poll: mio::Poll) {
             if token == WAKE {
                 continue;
             }
-            if let Some(Some(w)) = members.slots.get_mut(token.0 / 2) {
-                if token.0 % 2 == 0 {
-                    w.sub_ready = true;
-                } else {
-                    w.dealer_ready = true;
+            if let Some(Some(w)) = members.slots.get_mut(token.0 / TOKENS_PER_SLOT) {
+                match token.0 % TOKENS_PER_SLOT {
+                    0 => w.sub_ready = true,
+                    1 => w.dealer_ready = true,
+                    _ => w.monitor_ready = true,
                 }
             }
+        }
+        // Connection events are read whether or not the listener's gate is open.
+        for w in members.workers().filter(|w| w.monitor_ready) {
+            w.read_monitor();
         }
         for slot in 0..members.slots.len() {
             let ended = match &mut members.slots[slot] {
@@ -723,11 +812,16 @@ struct Worker {
     ctx: zmq::Context,
     config: ListenerConfig,
     sub: zmq::Socket,
+    /// The SUB's connection events (declared after it: closing the SUB first stops the
+    /// monitor cleanly).
+    monitor: Option<zmq::Socket>,
     dealer: Option<zmq::Socket>,
     /// Index in the group (its poller tokens).
     slot: usize,
     /// The SUB may have a message: an edge of its `ZMQ_FD` came, or it was not read empty.
     sub_ready: bool,
+    /// The same for the monitor.
+    monitor_ready: bool,
     /// The same for the DEALER.
     dealer_ready: bool,
     mode: Mode,
@@ -778,8 +872,8 @@ impl Worker {
             self.end_replay(registry, ReplayEnd::Stopped);
         }
         deregister(registry, &self.sub);
-        if let Some(dealer) = &self.dealer {
-            deregister(registry, dealer);
+        for socket in [&self.monitor, &self.dealer].into_iter().flatten() {
+            deregister(registry, socket);
         }
         if let ListenerState::Failed { error } = &end {
             let wid = self.config.worker.worker_id.0;
@@ -790,6 +884,28 @@ impl Worker {
         drop(self);
         *shared.state.lock() = end;
         shared.ended.notify_all();
+    }
+
+    /// Applies up to [`MONITOR_BURST`] connection events; clears the ready flag once
+    /// `ZMQ_EVENTS` shows the monitor empty.
+    fn read_monitor(&mut self) {
+        let Some(monitor) = &self.monitor else {
+            self.monitor_ready = false;
+            return;
+        };
+        for _ in 0..MONITOR_BURST {
+            match recv_frames(monitor) {
+                Ok(Some((frames, _))) => {
+                    if let Some(first) = frames.first() {
+                        on_connection_event(&self.shared.stats, first);
+                    }
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+        if !monitor.get_events().is_ok_and(|e| e.contains(zmq::POLLIN)) {
+            self.monitor_ready = false;
+        }
     }
 
     /// Reads up to [`BURST`] messages of the current socket. Clears its ready flag only when
@@ -1103,5 +1219,44 @@ impl Worker {
             }
         };
         Ok(self.dealer.insert(dealer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ListenerStats, on_connection_event};
+    use std::sync::atomic::Ordering;
+
+    fn event(e: zmq::SocketEvent) -> Vec<u8> {
+        let mut frame = e.to_raw().to_le_bytes().to_vec();
+        frame.extend(7u32.to_le_bytes());
+        frame
+    }
+
+    #[test]
+    fn connection_events_track_reachability() {
+        let stats = ListenerStats::default();
+        let retried = event(zmq::SocketEvent::CONNECT_RETRIED);
+        for _ in 0..crate::stats::UNREACHABLE_AFTER_RETRIES - 1 {
+            on_connection_event(&stats, &retried);
+        }
+        assert!(!stats.unreachable());
+        on_connection_event(&stats, &retried);
+        assert!(stats.unreachable());
+        on_connection_event(&stats, &event(zmq::SocketEvent::HANDSHAKE_SUCCEEDED));
+        assert!(stats.connected.load(Ordering::Relaxed) && !stats.unreachable());
+        assert_eq!(ListenerStats::get(&stats.retries_since_connected), 0);
+        // A lost connection counts again from zero; the total keeps growing.
+        on_connection_event(&stats, &event(zmq::SocketEvent::DISCONNECTED));
+        for _ in 0..3 {
+            on_connection_event(&stats, &retried);
+        }
+        assert!(stats.unreachable());
+        assert_eq!(ListenerStats::get(&stats.connect_retries), 6);
+        // Short or unknown frames change nothing.
+        on_connection_event(&stats, &[0x00]);
+        on_connection_event(&stats, &event(zmq::SocketEvent::ACCEPTED));
+        assert_eq!(ListenerStats::get(&stats.connect_retries), 6);
+        assert!(stats.unreachable());
     }
 }

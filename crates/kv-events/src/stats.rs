@@ -1,6 +1,6 @@
 //! Per-listener counters the service exports (e.g. to Prometheus, labelled per worker).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::decode::{DecodeError, FrameError};
 use crate::normalize::FilterReason;
@@ -74,7 +74,12 @@ impl From<&DecodeError> for DropReason {
     }
 }
 
-/// Monotonic counters of one listener. All relaxed atomics: they are statistics, read
+/// Reconnect attempts without a handshake after which [`ListenerStats::unreachable`] holds:
+/// with the listener's back-off (100 ms, doubling up to 5 s) about 0.3 s of refused
+/// connects, or a few failed handshakes with something that is not a ZMQ publisher.
+pub const UNREACHABLE_AFTER_RETRIES: u64 = 3;
+
+/// Monotonic counters of one listener, and its connection state. All relaxed atomics: they are statistics, read
 /// without coordination by the metrics exporter.
 #[derive(Debug, Default)]
 pub struct ListenerStats {
@@ -100,6 +105,16 @@ pub struct ListenerStats {
     pub replays_timed_out: AtomicU64,
     /// Batches received through replay (applied or not).
     pub replayed_batches: AtomicU64,
+    /// Whether the SUB socket has a ZMQ session with its publisher: a handshake succeeded
+    /// and no disconnect came since. (A listener whose connection monitor could not be set
+    /// up never reports one.)
+    pub connected: AtomicBool,
+    /// Reconnects libzmq scheduled (`ZMQ_EVENT_CONNECT_RETRIED`): after a refused or lost
+    /// connection or a failed handshake.
+    pub connect_retries: AtomicU64,
+    /// Of [`Self::connect_retries`], those since the last successful handshake (0 while
+    /// connected).
+    pub retries_since_connected: AtomicU64,
     dropped: [AtomicU64; DropReason::ALL.len()],
     filtered: [AtomicU64; FilterReason::ALL.len()],
 }
@@ -128,6 +143,15 @@ impl ListenerStats {
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Whether the publisher looks unreachable: not connected, with at least
+    /// [`UNREACHABLE_AFTER_RETRIES`] reconnects since the last connection. libzmq retries
+    /// silently for ever, so without this a mistyped endpoint is a worker that never shows
+    /// a cached prefix and nothing says why.
+    pub fn unreachable(&self) -> bool {
+        !self.connected.load(Ordering::Relaxed)
+            && self.retries_since_connected.load(Ordering::Relaxed) >= UNREACHABLE_AFTER_RETRIES
     }
 
     /// Reads one counter field (convenience for exporters and tests).

@@ -284,6 +284,14 @@ impl SelectionCore {
         self.ingress.failed()
     }
 
+    /// The (worker, rank) listeners whose publisher looks unreachable: libzmq keeps
+    /// retrying without a handshake ([`kv_events::ListenerStats::unreachable`]). They
+    /// recover by themselves once the publisher answers; the worker's catalog record says
+    /// so in `warnings` meanwhile.
+    pub fn unreachable_listeners(&self) -> Vec<WorkerKey> {
+        self.ingress.unreachable()
+    }
+
     /// Seq of the last batch applied by a rank's listener.
     pub fn listener_watermark(&self, key: WorkerKey) -> Option<u64> {
         self.ingress.watermark(key)

@@ -64,6 +64,16 @@ impl RankListener {
         }
     }
 
+    /// Reconnects without a handshake, when the publisher looks unreachable.
+    fn unreachable(&self) -> Option<u64> {
+        match self {
+            Self::Running(l) if l.stats().unreachable() => {
+                Some(ListenerStats::get(&l.stats().retries_since_connected))
+            }
+            _ => None,
+        }
+    }
+
     /// Why the listener is not receiving events, if it failed.
     fn failure(&self) -> Option<String> {
         match self {
@@ -92,10 +102,11 @@ impl RankListener {
 
 /// Listeners given one ZMQ context. libzmq refuses a context's 1,024th socket
 /// (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise) with EMFILE, and a listener holds
-/// up to two (its SUB socket and, during a replay, a DEALER); with a single context every
-/// registration past about 1,000 (worker, rank) listeners failed with "Too many open files"
-/// whatever the process's descriptor limit.
-const LISTENERS_PER_CONTEXT: usize = 500;
+/// up to four (its SUB socket, the two PAIR ends of its connection monitor and, during a
+/// replay, a DEALER); with a single context every registration past about 1,000 (worker,
+/// rank) listeners failed with "Too many open files" whatever the process's descriptor
+/// limit.
+const LISTENERS_PER_CONTEXT: usize = 250;
 
 /// ZMQ contexts shared by listeners, each holding at most `cap` of them.
 #[derive(Debug)]
@@ -393,12 +404,22 @@ impl Ingress {
             .iter()
             .filter(|(k, _)| k.worker_id == worker_id)
             .filter_map(|(k, r)| {
-                let error = r.listener.failure()?;
+                if let Some(error) = r.listener.failure() {
+                    return Some((
+                        k.dp_rank.0,
+                        format!(
+                            "kv_events listener for dp_rank {} failed: {error}",
+                            k.dp_rank
+                        ),
+                    ));
+                }
+                let retries = r.listener.unreachable()?;
                 Some((
                     k.dp_rank.0,
                     format!(
-                        "kv_events listener for dp_rank {} failed: {error}",
-                        k.dp_rank
+                        "kv_events endpoint {} for dp_rank {} is not connected: {retries} \
+                         reconnect attempts without a ZMQ handshake",
+                        r.endpoint, k.dp_rank
                     ),
                 ))
             })
@@ -409,10 +430,19 @@ impl Ingress {
 
     /// Every failed listener (`/metrics`), in key order.
     pub(crate) fn failed(&self) -> Vec<WorkerKey> {
+        self.keys_where(|r| r.failure().is_some())
+    }
+
+    /// Every listener whose publisher looks unreachable (`/metrics`), in key order.
+    pub(crate) fn unreachable(&self) -> Vec<WorkerKey> {
+        self.keys_where(|r| r.unreachable().is_some())
+    }
+
+    fn keys_where(&self, f: impl Fn(&RankListener) -> bool) -> Vec<WorkerKey> {
         let listeners = self.listeners.lock();
         let mut out: Vec<WorkerKey> = listeners
             .iter()
-            .filter(|(_, r)| r.listener.failure().is_some())
+            .filter(|(_, r)| f(&r.listener))
             .map(|(k, _)| *k)
             .collect();
         out.sort();

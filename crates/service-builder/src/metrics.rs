@@ -620,7 +620,7 @@ fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fm
         ]
     };
     type Field = fn(&kv_events::ListenerStats) -> &AtomicU64;
-    let plain: [(&str, &str, Field); 5] = [
+    let plain: [(&str, &str, Field); 6] = [
         (
             "kv_batches_applied",
             "KV event batches applied to the index.",
@@ -645,6 +645,12 @@ fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fm
             "kv_replays_timed_out",
             "Gap replays abandoned after the replay timeout.",
             |s| &s.replays_timed_out,
+        ),
+        (
+            "kv_connect_retries",
+            "Reconnects of the listener's socket (refused or lost connections, failed \
+             handshakes).",
+            |s| &s.connect_retries,
         ),
     ];
     for (name, help, field) in plain {
@@ -673,6 +679,21 @@ fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fm
         "1 for each failed KV listener (only failed ones are listed).",
         MetricType::Gauge,
         failed.iter().map(|k| (rank(k), 1)),
+    )?;
+    let unreachable = core.unreachable_listeners();
+    single(
+        enc,
+        "kv_listeners_unreachable",
+        "KV listeners whose publisher does not answer: reconnecting without a ZMQ handshake.",
+        MetricType::Gauge,
+        unreachable.len() as u64,
+    )?;
+    rows(
+        enc,
+        "kv_listener_unreachable",
+        "1 for each KV listener whose publisher does not answer (only those are listed).",
+        MetricType::Gauge,
+        unreachable.iter().map(|k| (rank(k), 1)),
     )?;
     // Per listener, a reason appears once it has happened: with every reason of every
     // listener at 0, 5,000 event-driven workers made a 9 MB, 105 k-line scrape (past the

@@ -299,6 +299,28 @@ fn loads_shape(v: &Value) -> Vec<LoadsShape> {
     }
 }
 
+/// Drops the "not connected" warnings of worker records (beyond-reference #10): nobody
+/// publishes on most of the transcript's KV endpoints, so those records gain one once the
+/// service has retried a few times. What else a record warns of stays to be compared.
+fn strip_unreachable_warnings(v: &mut Value) {
+    match v {
+        Value::Array(items) => items.iter_mut().for_each(strip_unreachable_warnings),
+        Value::Object(o) => {
+            if let Some(Value::Array(warnings)) = o.get_mut("warnings") {
+                warnings.retain(|w| {
+                    !w.as_str()
+                        .is_some_and(|w| w.contains(" is not connected: "))
+                });
+                if warnings.is_empty() {
+                    o.remove("warnings");
+                }
+            }
+            o.values_mut().for_each(strip_unreachable_warnings);
+        }
+        _ => {}
+    }
+}
+
 struct Server(Child, u16);
 
 impl Drop for Server {
@@ -497,6 +519,7 @@ fn the_reference_transcript_replays_step_by_step() {
         let Ok(mut ours) = serde_json::from_str::<Value>(&text) else {
             panic!("{what}: not JSON: {text}");
         };
+        strip_unreachable_warnings(&mut ours);
         let Some(expect) = exceptions.get(&step.n) else {
             let reference: Value = serde_json::from_str(&reference).unwrap();
             assert_eq!(ours, reference, "{what}");

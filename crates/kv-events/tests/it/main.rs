@@ -350,6 +350,35 @@ fn publisher_restart_at_the_same_address() {
 }
 
 #[test]
+fn the_connection_state_follows_the_publisher() {
+    let ctx = zmq::Context::new();
+    let port = testkit::free_port();
+    let ep = format!("tcp://127.0.0.1:{port}");
+    let (sink, _rx) = Collector::new();
+    let listener = KvEventListener::start(
+        ListenerConfig::new(WorkerKey::new(4, 0), ep.clone(), 4),
+        sink,
+    )
+    .unwrap();
+    let stats = listener.stats();
+    // Nobody listens yet: refused connects, retried.
+    wait_until(|| stats.unreachable());
+    assert!(!stats.connected.load(Ordering::Relaxed));
+
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    publisher.set_linger(0).unwrap();
+    publisher.bind(&ep).unwrap();
+    wait_until(|| stats.connected.load(Ordering::Relaxed));
+    assert!(!stats.unreachable());
+    assert_eq!(get(&stats.retries_since_connected), 0);
+
+    // The publisher goes away: disconnected, then unreachable again.
+    drop(publisher);
+    wait_until(|| !stats.connected.load(Ordering::Relaxed) && stats.unreachable());
+    listener.stop();
+}
+
+#[test]
 fn malformed_messages_are_counted_and_never_stop_the_listener() {
     let ctx = zmq::Context::new();
     let (publisher, ep) = bind_free(&ctx, zmq::PUB);

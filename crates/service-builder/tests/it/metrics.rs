@@ -302,3 +302,64 @@ fn an_endpoint_libzmq_refuses_keeps_the_worker_schedulable_and_shows_as_failed()
     assert!(!text.contains("kv_select_kv_listener_failed{"), "{text}");
     c.shutdown();
 }
+
+#[test]
+fn an_unreachable_publisher_shows_until_it_answers() {
+    // libzmq retries a refused connect silently for ever; the connection monitor makes it
+    // visible (beyond-reference #10) and clears it once the publisher is there.
+    let c = core(CoreConfig::default());
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    let port = testkit::free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let record = c
+        .upsert_worker(WorkerRequest {
+            kv_events_endpoint: Some(endpoint.clone()),
+            ..worker(3)
+        })
+        .unwrap();
+    assert_eq!(record.lifecycle, service_builder::Lifecycle::Schedulable);
+    let warnings = || c.list_workers(None, None)[0].warnings.clone();
+    let shown = testkit::poll_until(Duration::from_secs(15), || {
+        warnings().iter().any(|w| {
+            w.starts_with(&format!(
+                "kv_events endpoint {endpoint} for dp_rank 0 is not connected: "
+            ))
+        })
+    });
+    assert!(shown, "{:?}", warnings());
+    assert_eq!(c.unreachable_listeners(), [WorkerKey::new(3, 0)]);
+    assert!(c.failed_listeners().is_empty());
+    let text = encode(&registry);
+    has(&text, "kv_select_kv_listeners_unreachable 1");
+    has(
+        &text,
+        "kv_select_kv_listener_unreachable{worker_id=\"3\",dp_rank=\"0\"} 1",
+    );
+    assert!(
+        text.lines().any(|l| l
+            .strip_prefix("kv_select_kv_connect_retries_total{worker_id=\"3\",dp_rank=\"0\"} ")
+            .and_then(|n| n.parse::<u64>().ok())
+            .is_some_and(|n| n >= kv_events::UNREACHABLE_AFTER_RETRIES)),
+        "{text}"
+    );
+    // Still selectable meanwhile, as in the reference.
+    assert_eq!(c.select(select(tokens(16))).unwrap().worker_id, 3);
+
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    publisher.bind(&endpoint).unwrap();
+    // The listener's back-off reaches 5 s between attempts.
+    let cleared = testkit::poll_until(Duration::from_secs(15), || warnings().is_empty());
+    assert!(cleared, "{:?}", warnings());
+    assert!(c.unreachable_listeners().is_empty());
+    has(&encode(&registry), "kv_select_kv_listeners_unreachable 0");
+    let stats = c.listener_stats();
+    assert!(
+        stats[0]
+            .1
+            .connected
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
+    c.shutdown();
+}
