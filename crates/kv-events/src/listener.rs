@@ -703,7 +703,7 @@ fn run_group(group: &GroupShared, mut poll: mio::Poll) {
                 members.finish(slot, ListenerState::Stopped);
             }
         }
-        let busy = members.workers().any(|w| w.has_work());
+        let busy = members.workers().any(|w| w.has_work() || w.monitor_ready);
         let timeout = if busy {
             Duration::ZERO
         } else {

@@ -394,7 +394,9 @@ impl<T> AdmissionQueue<T> {
         if arrival.advisory || !cq.class.queueing_enabled() || registered_workers == 0 {
             return Ok(Ok(waiting.payload));
         }
-        if cq.waiting.is_empty() && gate(&cq.class, &waiting) {
+        // A waiter ahead that could go now goes first (its drain is on the way); waiters
+        // blocked on ranks that are busy for them hold up nobody else (§5.2).
+        if gate(&cq.class, &waiting) && !cq.waiting.iter().any(|w| gate(&cq.class, w)) {
             return Ok(Ok(waiting.payload));
         }
         let n = registered_workers as u64;
@@ -507,6 +509,25 @@ impl<T> AdmissionQueue<T> {
         Some(w.payload)
     }
 
+    /// Removes the waiting requests whose payload matches `which` (a caller that gave up);
+    /// returns how many.
+    pub fn remove_where(&mut self, mut which: impl FnMut(&T) -> bool) -> usize {
+        let mut removed = 0;
+        for cq in &mut self.classes {
+            cq.waiting.retain(|w| {
+                if which(&w.payload) {
+                    cq.raw_isl_tokens -= w.isl;
+                    cq.cached_tokens -= w.best_cached_tokens;
+                    removed += 1;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        removed
+    }
+
     /// Removes every waiting request (shutdown), best first per class.
     pub fn drain_all(&mut self) -> Vec<T> {
         let mut out = Vec::with_capacity(self.len());
@@ -566,6 +587,38 @@ mod tests {
         assert!(!c.queueing_enabled());
         c.prefill_busy_threshold_frac = Some(0.5);
         assert!(c.is_busy(51, Some(100)) && !c.is_busy(5_000_000, None));
+    }
+
+    #[test]
+    fn waiters_blocked_on_their_ranks_do_not_hold_up_a_request_that_can_go() {
+        let t0 = Instant::now();
+        let mut q = AdmissionQueue::new(vec![class("c", QueuePolicy::Fcfs)], t0).unwrap();
+        let mut pinned = arrival(1, 10);
+        pinned.pinned = Some(kv_types::WorkerKey::new(1, 0));
+        // Only the pinned rank is busy.
+        let pin_busy = |_: &PolicyClass, w: &Waiting<u32>| w.pinned.is_none();
+        assert!(matches!(
+            q.offer(pinned, 2, t0, pin_busy),
+            Ok(Offer::Queued)
+        ));
+        assert!(matches!(
+            q.offer(arrival(2, 10), 2, t0, pin_busy),
+            Ok(Offer::Admit(2))
+        ));
+        // Everything busy: 3 waits. Then 3 could go (its drain is due): 4 queues behind it.
+        assert!(matches!(
+            q.offer(arrival(3, 10), 2, t0, |_, _| false),
+            Ok(Offer::Queued)
+        ));
+        assert!(matches!(
+            q.offer(arrival(4, 10), 2, t0, |_, w| w.payload != 1),
+            Ok(Offer::Queued)
+        ));
+        assert_eq!(q.len(), 3);
+        // A waiter whose caller gave up leaves the counts with it.
+        assert_eq!(q.remove_where(|&p| p == 3), 1);
+        assert_eq!((q.len(), q.pending_isl_tokens()), (2, 20));
+        assert_eq!(drain(&mut q), [1, 4]);
     }
 
     #[test]

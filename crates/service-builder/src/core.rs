@@ -24,7 +24,9 @@ use selection_policy::{
     cached_tokens, preferred_taint_multiplier,
 };
 
-use crate::admission::{MAX_QUEUE_WAIT, PartitionQueue, Ticket, WaitOutcome, eligible};
+use crate::admission::{
+    Cancel, MAX_QUEUE_WAIT, PartitionQueue, Ticket, Wait, WaitOutcome, eligible,
+};
 use crate::catalog::{
     Lifecycle, MAX_DATA_PARALLEL_SIZE, PartitionKey, WorkerCatalogRecord, WorkerPatch,
     WorkerRequest,
@@ -775,7 +777,7 @@ impl SelectionCore {
 
     /// `POST /select`.
     pub fn select(&self, req: SelectRequest) -> Result<SelectResponse, SelectionError> {
-        self.run_select(req, false, true).done()
+        self.run_select(req, false, Wait::Yes(None)).done()
     }
 
     /// [`select`](Self::select) unless it would have to wait in the admission queue (a
@@ -783,7 +785,7 @@ impl SelectionCore {
     /// request comes back untouched and nothing was queued or counted. See
     /// [`try_select_and_reserve`](Self::try_select_and_reserve).
     pub fn try_select(&self, req: SelectRequest) -> Attempt<SelectResponse, SelectRequest> {
-        self.run_select(req, false, false)
+        self.run_select(req, false, Wait::No)
     }
 
     /// `POST /select_and_reserve`.
@@ -792,7 +794,7 @@ impl SelectionCore {
         mut req: SelectRequest,
     ) -> Result<SelectResponse, SelectionError> {
         req.advisory = false;
-        self.run_select(req, true, true).done()
+        self.run_select(req, true, Wait::Yes(None)).done()
     }
 
     /// [`select_and_reserve`](Self::select_and_reserve) unless it would have to wait: in the
@@ -806,14 +808,33 @@ impl SelectionCore {
         mut req: SelectRequest,
     ) -> Attempt<SelectResponse, SelectRequest> {
         req.advisory = false;
-        self.run_select(req, true, false)
+        self.run_select(req, true, Wait::No)
+    }
+
+    /// [`select`](Self::select) for a caller that may go away (see [`Cancel`]).
+    pub(crate) fn select_cancellable(
+        &self,
+        req: SelectRequest,
+        cancel: &Cancel,
+    ) -> Result<SelectResponse, SelectionError> {
+        self.run_select(req, false, Wait::Yes(Some(cancel))).done()
+    }
+
+    /// [`select_and_reserve`](Self::select_and_reserve) for a caller that may go away.
+    pub(crate) fn select_and_reserve_cancellable(
+        &self,
+        mut req: SelectRequest,
+        cancel: &Cancel,
+    ) -> Result<SelectResponse, SelectionError> {
+        req.advisory = false;
+        self.run_select(req, true, Wait::Yes(Some(cancel))).done()
     }
 
     fn run_select(
         &self,
         mut req: SelectRequest,
         book: bool,
-        wait: bool,
+        wait: Wait<'_>,
     ) -> Attempt<SelectResponse, SelectRequest> {
         let started = Instant::now();
         let Some(result) = settled(self.run_select_inner(&mut req, book, wait)) else {
@@ -841,7 +862,7 @@ impl SelectionCore {
         &self,
         req: &mut SelectRequest,
         book: bool,
-        wait: bool,
+        wait: Wait<'_>,
     ) -> Result<SelectResponse, Stop> {
         self.check_running()?;
         let partition = self.ready_partition(&req.partition)?;
@@ -910,7 +931,7 @@ impl SelectionCore {
                     lora_name: req.prompt.lora_name.as_deref(),
                 };
                 self.book_on(&partition, &booking, SlotPolicy::CreateMissing)?;
-                let binding = match session.commit(selection.worker) {
+                let binding = match session.commit(selection.worker, &partition) {
                     Ok(b) => b,
                     Err(e) => {
                         let _ = partition.ledger.lock().free(id);
@@ -1059,7 +1080,7 @@ impl SelectionCore {
         partition: &Partition,
         req: &SelectRequest,
         scratch: &mut SelectScratch,
-        wait: bool,
+        wait: Wait<'_>,
     ) -> Result<Admission, Stop> {
         let Some(queue) = &partition.queue else {
             return Ok(Admission::default());
@@ -1079,7 +1100,7 @@ impl SelectionCore {
                 "unknown policy class; classified by uncached ISL or the default class"
             );
         }
-        let ticket = Ticket::new(req.allowed_worker_ids.clone());
+        let ticket = Ticket::new(req.allowed_worker_ids.clone(), req.required_taints.clone());
         let arrival = selection_policy::Arrival {
             payload: Arc::clone(&ticket),
             class: classified.index,
@@ -1097,7 +1118,7 @@ impl SelectionCore {
                         w: &selection_policy::Waiting<Arc<Ticket>>| {
                 any_rank_free(&workers, &ledger, class, w)
             };
-            if wait {
+            if wait.allowed() {
                 queue.offer(arrival, workers.len(), gate)
             } else {
                 match queue.try_offer(arrival, workers.len(), gate) {
@@ -1132,7 +1153,13 @@ impl SelectionCore {
             }
         };
         let enqueued_at = Instant::now();
+        if let Some(cancel) = wait.cancel() {
+            cancel.watch(&queued);
+        }
         let outcome = queued.wait(MAX_QUEUE_WAIT);
+        if matches!(outcome, WaitOutcome::TimedOut | WaitOutcome::Cancelled) {
+            queue.remove(&queued);
+        }
         self.metrics.admission_wait.observe(enqueued_at.elapsed());
         match outcome {
             WaitOutcome::Admitted => {
@@ -1159,6 +1186,7 @@ impl SelectionCore {
                 429,
                 "request deadline exceeded",
             ))),
+            WaitOutcome::Cancelled => Err(Stop::Failed(caller_gone())),
         }
     }
 
@@ -1227,7 +1255,7 @@ impl SelectionCore {
         table: &'p SessionTable,
         sid: &str,
         now: Instant,
-        wait: bool,
+        wait: Wait<'_>,
     ) -> Option<SessionGuard<'p>> {
         for _ in 0..32 {
             match table.hold(sid, now, wait) {
@@ -1402,16 +1430,8 @@ impl SelectionCore {
         selection_rules: bool,
         scratch: &mut SelectScratch,
     ) -> Result<u64, SelectionError> {
-        let (tokens, mm): (Option<&[u32]>, &[Option<kv_types::BlockMmInfo>]) =
-            match (&prompt.mm_routing_info, &prompt.token_ids) {
-                (Some(m), _) if !m.routing_token_ids.is_empty() => {
-                    (Some(&m.routing_token_ids), &m.block_mm_infos)
-                }
-                (_, Some(t)) => (Some(t), &prompt.block_mm_infos),
-                _ => (None, &[]),
-            };
         scratch.tracking_is_chain = false;
-        if let Some(tokens) = tokens {
+        if let Some((tokens, mm)) = prompt.routing_tokens() {
             if tokens.len() > self.config.max_prompt_tokens {
                 return Err(SelectionError::new(
                     crate::ErrorKind::BadRequest,
@@ -1504,11 +1524,11 @@ impl SelectionCore {
             let isl = prompt.isl_tokens.ok_or_else(|| {
                 SelectionError::bad_request("isl_tokens is required without token_ids")
             })?;
+            // An index recording routing decisions needs block hashes consistent with the
+            // sequence hashes; the explicit form checks that after the worker (http-api §6.1
+            // step 6), see `create_reservation_inner`.
             scratch.blocks.clear();
             if let Some(blocks) = &prompt.block_hashes {
-                if partition.records_decisions {
-                    check_hash_only(blocks, seqs, isl)?;
-                }
                 scratch.blocks.extend(blocks.iter().map(|&h| BlockHash(h)));
             }
             scratch.tracking.clear();
@@ -1639,7 +1659,7 @@ impl SelectionCore {
         &self,
         req: ReservationRequest,
     ) -> Result<ReservationResponse, SelectionError> {
-        self.reserve(req, true).done()
+        self.reserve(req, Wait::Yes(None)).done()
     }
 
     /// [`create_reservation`](Self::create_reservation) unless it would have to wait behind
@@ -1650,13 +1670,22 @@ impl SelectionCore {
         &self,
         req: ReservationRequest,
     ) -> Attempt<ReservationResponse, ReservationRequest> {
-        self.reserve(req, false)
+        self.reserve(req, Wait::No)
+    }
+
+    /// [`create_reservation`](Self::create_reservation) for a caller that may go away.
+    pub(crate) fn create_reservation_cancellable(
+        &self,
+        req: ReservationRequest,
+        cancel: &Cancel,
+    ) -> Result<ReservationResponse, SelectionError> {
+        self.reserve(req, Wait::Yes(Some(cancel))).done()
     }
 
     fn reserve(
         &self,
         req: ReservationRequest,
-        wait: bool,
+        wait: Wait<'_>,
     ) -> Attempt<ReservationResponse, ReservationRequest> {
         let Some(result) = settled(self.create_reservation_inner(&req, wait)) else {
             return Attempt::WouldWait(req);
@@ -1671,7 +1700,7 @@ impl SelectionCore {
     fn create_reservation_inner(
         &self,
         req: &ReservationRequest,
-        wait: bool,
+        wait: Wait<'_>,
     ) -> Result<ReservationResponse, Stop> {
         self.check_running()?;
         let key: PendingKey = (
@@ -1705,6 +1734,13 @@ impl SelectionCore {
                 req.partition
             ))));
         };
+        if partition.records_decisions
+            && req.prompt.routing_tokens().is_none()
+            && let (Some(blocks), Some(seqs)) =
+                (&req.prompt.block_hashes, &req.prompt.sequence_hashes)
+        {
+            check_hash_only(blocks, seqs, isl)?;
+        }
         let worker = WorkerKey::new(worker_id, req.dp_rank.unwrap_or(0));
         let track = req.track_prefill_tokens.unwrap_or_else(|| {
             req.effective_prefill_tokens.is_some()
@@ -1742,7 +1778,7 @@ impl SelectionCore {
         &self,
         req: &ReservationRequest,
         key: &PendingKey,
-        wait: bool,
+        wait: Wait<'_>,
     ) -> Result<ReservationResponse, Stop> {
         let found = self.pending.lock().get(key, Instant::now());
         let Some((cached, generation)) = found else {
@@ -1785,7 +1821,7 @@ impl SelectionCore {
             lora_name: cached.lora_name.as_deref(),
         };
         self.book_on(&partition, &booking, SlotPolicy::RequireRegistered)?;
-        let binding = match session.commit(worker) {
+        let binding = match session.commit(worker, &partition) {
             Ok(b) => b,
             Err(e) => {
                 // A session bound elsewhere consumes the cached selection (§7, §16.2).
@@ -2383,7 +2419,11 @@ impl<'p> SessionGuard<'p> {
     }
 
     /// Binds (or checks the binding against) the booked worker and rank.
-    fn commit(&mut self, booked: WorkerKey) -> Result<Option<BindingUpdate>, SelectionError> {
+    fn commit(
+        &mut self,
+        booked: WorkerKey,
+        partition: &Partition,
+    ) -> Result<Option<BindingUpdate>, SelectionError> {
         let Some(table) = self.table else {
             return Ok(None);
         };
@@ -2397,7 +2437,7 @@ impl<'p> SessionGuard<'p> {
                 self.state = GuardState::Leased;
                 Ok(Some(update))
             }
-            GuardState::Bound(_) => match table.commit_bound(&self.sid, booked) {
+            GuardState::Bound(held) => match table.commit_bound(&self.sid, booked) {
                 Ok(update) => {
                     self.state = GuardState::Leased;
                     Ok(Some(update))
@@ -2405,11 +2445,52 @@ impl<'p> SessionGuard<'p> {
                 Err(message) => {
                     // The binding (and with it our lease) is gone.
                     self.state = GuardState::Idle;
-                    Err(SelectionError::bad_request(message))
+                    if partition.schedules(held.worker_id, held.dp_rank) {
+                        return Err(SelectionError::bad_request(message));
+                    }
+                    // The bound target left while this request was scheduled: bind anew
+                    // (§8.3 item 4).
+                    self.rebind(table, booked, partition)
                 }
             },
             GuardState::Idle | GuardState::Leased => Ok(None),
         }
+    }
+
+    /// Re-acquires the session without waiting after its bound target departed, at most
+    /// twice: a fresh hold commits the booked target; a binding another request made
+    /// meanwhile must agree with it (else 400); another initializer or a full table leaves
+    /// the booking without a binding.
+    fn rebind(
+        &mut self,
+        table: &SessionTable,
+        booked: WorkerKey,
+        partition: &Partition,
+    ) -> Result<Option<BindingUpdate>, SelectionError> {
+        for _ in 0..2 {
+            match table.hold(&self.sid, Instant::now(), Wait::No) {
+                Hold::Init => {
+                    self.state = GuardState::Init;
+                    let target = SessionTarget {
+                        worker_id: booked.worker_id.0,
+                        dp_rank: Some(booked.dp_rank.0),
+                    };
+                    let update = table.commit_init(&self.sid, target, Instant::now());
+                    self.state = GuardState::Leased;
+                    return Ok(Some(update));
+                }
+                Hold::Bound(target) => match table.commit_bound(&self.sid, booked) {
+                    Ok(update) => {
+                        self.state = GuardState::Leased;
+                        return Ok(Some(update));
+                    }
+                    Err(_) if !partition.schedules(target.worker_id, target.dp_rank) => {}
+                    Err(message) => return Err(SelectionError::bad_request(message)),
+                },
+                Hold::Busy | Hold::Full => return Ok(None),
+            }
+        }
+        Ok(None)
     }
 
     /// Hands the committed lease to the reservation row.
@@ -2636,6 +2717,12 @@ fn check_partition(p: &Partition, block_size: u32, is_eagle: bool) -> Result<(),
     Ok(())
 }
 
+/// What a waiting operation ends with when its caller went away (nobody reads it; it
+/// counts under `caller_gone`). 499 is the de facto "client closed request" status.
+fn caller_gone() -> SelectionError {
+    SelectionError::scheduler(499, "the caller went away while the request waited")
+}
+
 fn check_hash_only(blocks: &[u64], seqs: &[u64], isl: u64) -> Result<(), SelectionError> {
     if isl == 0 {
         return Err(SelectionError::bad_request(
@@ -2768,7 +2855,7 @@ fn any_rank_free(
     workers.values().any(|entry| {
         entry.record.dp_ranks().any(|rank| {
             let key = WorkerKey::new(entry.record.worker_id, rank);
-            eligible(w, key) && {
+            eligible(w, key, &entry.record.taints) && {
                 let active = ledger.load(key).map_or(0, |l| l.active_prefill_tokens);
                 !class.is_busy(active, entry.record.max_num_batched_tokens)
             }

@@ -163,12 +163,14 @@ pub enum RejectionReason {
     QueueTimeout,
     /// `--max-active-reservations` is reached (429).
     Capacity,
+    /// Its caller went away while it waited; what it had claimed or booked is released.
+    CallerGone,
     /// Anything else (500).
     Internal,
 }
 
 impl RejectionReason {
-    pub const ALL: [RejectionReason; 8] = [
+    pub const ALL: [RejectionReason; 9] = [
         RejectionReason::BadRequest,
         RejectionReason::NotFound,
         RejectionReason::Conflict,
@@ -176,6 +178,7 @@ impl RejectionReason {
         RejectionReason::QueueRejected,
         RejectionReason::QueueTimeout,
         RejectionReason::Capacity,
+        RejectionReason::CallerGone,
         RejectionReason::Internal,
     ];
 
@@ -188,6 +191,7 @@ impl RejectionReason {
             RejectionReason::QueueRejected => "queue_rejected",
             RejectionReason::QueueTimeout => "queue_timeout",
             RejectionReason::Capacity => "capacity",
+            RejectionReason::CallerGone => "caller_gone",
             RejectionReason::Internal => "internal",
         }
     }
@@ -196,6 +200,7 @@ impl RejectionReason {
     pub fn of(e: &SelectionError) -> Self {
         match (e.kind(), e.status_code()) {
             (ErrorKind::ResourceExhausted, _) => RejectionReason::Capacity,
+            (_, 499) => RejectionReason::CallerGone,
             (_, 429) if e.details().is_some() => RejectionReason::QueueRejected,
             (_, 429) => RejectionReason::QueueTimeout,
             (ErrorKind::NotReady, _) | (_, 503) => RejectionReason::NoSchedulable,

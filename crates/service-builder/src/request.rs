@@ -31,6 +31,21 @@ pub struct PromptInput {
     pub is_eagle: Option<bool>,
 }
 
+impl PromptInput {
+    /// The tokens to hash and their multimodal infos, by the precedence of hashing.md §3.5:
+    /// non-empty `mm_routing_info.routing_token_ids`, else `token_ids`; `None` for the
+    /// hash-only form.
+    pub(crate) fn routing_tokens(&self) -> Option<(&[u32], &[Option<BlockMmInfo>])> {
+        match (&self.mm_routing_info, &self.token_ids) {
+            (Some(m), _) if !m.routing_token_ids.is_empty() => {
+                Some((&m.routing_token_ids, &m.block_mm_infos))
+            }
+            (_, Some(t)) => Some((t, &self.block_mm_infos)),
+            _ => None,
+        }
+    }
+}
+
 /// `/select` and `/select_and_reserve`.
 #[derive(Clone, Debug, Default)]
 pub struct SelectRequest {

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::admission::{Cancel, Undo};
 use crate::core::{Attempt, CoreConfig, PolicyFactory, SelectionCore};
 use crate::error::{BuildError, SelectionError};
 use crate::pending::SelectionCacheConfig;
@@ -195,8 +196,13 @@ impl SelectionService {
     /// core's plain methods block while a request waits (up to minutes in a full queue), so
     /// async code calls these instead.
     pub async fn select(&self, req: SelectRequest) -> Result<SelectResponse, SelectionError> {
-        self.attempt(req, SelectionCore::try_select, SelectionCore::select)
-            .await
+        self.attempt(
+            req,
+            SelectionCore::try_select,
+            SelectionCore::select_cancellable,
+            |_, _| None,
+        )
+        .await
     }
 
     /// [`SelectionCore::select_and_reserve`] for async callers, as [`Self::select`] (it can
@@ -208,7 +214,8 @@ impl SelectionService {
         self.attempt(
             req,
             SelectionCore::try_select_and_reserve,
-            SelectionCore::select_and_reserve,
+            SelectionCore::select_and_reserve_cancellable,
+            |core, r| free_unseen(core, r.selection_id.clone()),
         )
         .await
     }
@@ -221,29 +228,45 @@ impl SelectionService {
         self.attempt(
             req,
             SelectionCore::try_create_reservation,
-            SelectionCore::create_reservation,
+            SelectionCore::create_reservation_cancellable,
+            |core, r| free_unseen(core, Some(r.selection_id.clone())),
         )
         .await
     }
 
-    /// Runs `attempt` here; what it hands back runs `wait` on the blocking pool.
+    /// Runs `attempt` here; what it hands back runs `wait` on the blocking pool. If this
+    /// future is dropped meanwhile (the caller went away), the request leaves the admission
+    /// queue, and what `undo` returns for a result nobody received runs (a booking is
+    /// freed).
     async fn attempt<T: Send + 'static, R: Send + 'static>(
         &self,
         req: R,
         attempt: impl FnOnce(&SelectionCore, R) -> Attempt<T, R>,
-        wait: fn(&SelectionCore, R) -> Result<T, SelectionError>,
+        wait: fn(&SelectionCore, R, &Cancel) -> Result<T, SelectionError>,
+        undo: fn(&Arc<SelectionCore>, &T) -> Option<Undo>,
     ) -> Result<T, SelectionError> {
         match attempt(&self.core, req) {
             Attempt::Done(result) => result,
             Attempt::WouldWait(req) => {
                 let core = Arc::clone(&self.core);
-                tokio::task::spawn_blocking(move || wait(&core, req))
-                    .await
-                    .unwrap_or_else(|e| {
-                        Err(SelectionError::internal(format!(
-                            "selection task failed: {e}"
-                        )))
-                    })
+                let cancel = Arc::new(Cancel::default());
+                let guard = CancelOnDrop(Some(Arc::clone(&cancel)));
+                let task_cancel = Arc::clone(&cancel);
+                let joined = tokio::task::spawn_blocking(move || {
+                    let result = wait(&core, req, &task_cancel);
+                    if let Some(free) = result.as_ref().ok().and_then(|v| undo(&core, v)) {
+                        task_cancel.finished(free);
+                    }
+                    result
+                })
+                .await;
+                guard.disarm();
+                cancel.delivered();
+                joined.unwrap_or_else(|e| {
+                    Err(SelectionError::internal(format!(
+                        "selection task failed: {e}"
+                    )))
+                })
             }
         }
     }
@@ -266,6 +289,34 @@ impl SelectionService {
             let _ = t.await;
         }
     }
+}
+
+/// Cancels a waiting operation when the future awaiting it is dropped before it finished.
+struct CancelOnDrop(Option<Arc<Cancel>>);
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(cancel) = self.0.take() {
+            cancel.cancel();
+        }
+    }
+}
+
+/// Frees the booking `selection_id` names; for a result nobody received.
+fn free_unseen(core: &Arc<SelectionCore>, selection_id: Option<String>) -> Option<Undo> {
+    let id = selection_id?;
+    let core = Arc::clone(core);
+    Some(Box::new(move || {
+        if core.free_reservation(&id).is_ok() {
+            tracing::debug!(selection_id = %id, "freed a booking its caller did not wait for");
+        }
+    }))
 }
 
 impl Drop for SelectionService {

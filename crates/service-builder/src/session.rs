@@ -13,12 +13,18 @@ use std::time::{Duration, Instant};
 use kv_types::WorkerKey;
 use parking_lot::{Condvar, Mutex};
 
+use crate::admission::{MAX_QUEUE_WAIT, Wait};
+
 /// Largest accepted session id, in bytes.
 pub const MAX_SESSION_ID_BYTES: usize = 256;
 /// Entries per table.
 pub const MAX_SESSIONS_PER_TABLE: usize = 65_536;
-/// How long a request waits behind another request initializing the same session.
-const INIT_WAIT: Duration = Duration::from_secs(5);
+/// How long a request waits behind another request initializing the same session:
+/// until the initializer resolves (§8.2), which it does within its own admission deadline,
+/// so this only guards against a bug.
+const INIT_WAIT: Duration = MAX_QUEUE_WAIT.saturating_add(Duration::from_secs(30));
+/// How often such a wait checks whether its caller went away.
+const CANCEL_CHECK: Duration = Duration::from_millis(100);
 
 /// Where a session is bound: a worker and, for bindings made by bookings, its rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,14 +111,20 @@ impl SessionTable {
 
     /// Holds the session for a booking. Behind a concurrent initializer it waits (bounded)
     /// when `wait` is set, else returns [`Hold::Busy`] at once.
-    pub(crate) fn hold(&self, session: &str, now: Instant, wait: bool) -> Hold {
+    pub(crate) fn hold(&self, session: &str, now: Instant, wait: Wait<'_>) -> Hold {
         let mut t = self.entries.lock();
         let give_up = Instant::now() + INIT_WAIT;
         loop {
             match t.map.get_mut(session) {
-                Some(Entry::Initializing) if !wait => return Hold::Busy,
+                Some(Entry::Initializing) if !wait.allowed() => return Hold::Busy,
+                // Nothing held: the caller's result goes nowhere.
+                Some(Entry::Initializing) if wait.cancelled() => return Hold::Busy,
                 Some(Entry::Initializing) => {
-                    if self.changed.wait_until(&mut t, give_up).timed_out() {
+                    // In slices, so a caller that went away is noticed.
+                    let slice = (Instant::now() + CANCEL_CHECK).min(give_up);
+                    if self.changed.wait_until(&mut t, slice).timed_out()
+                        && Instant::now() >= give_up
+                    {
                         // The initializer is stuck: proceed without affinity rather than hang.
                         return Hold::Full;
                     }
@@ -314,10 +326,13 @@ mod tests {
     fn first_hold_initializes_then_binds() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        assert_eq!(t.hold("s", now, true), Hold::Init);
+        assert_eq!(t.hold("s", now, Wait::Yes(None)), Hold::Init);
         t.commit_init("s", target(7, Some(1)), now);
         assert_eq!(t.read("s", now), Some(target(7, Some(1))));
-        assert_eq!(t.hold("s", now, true), Hold::Bound(target(7, Some(1))));
+        assert_eq!(
+            t.hold("s", now, Wait::Yes(None)),
+            Hold::Bound(target(7, Some(1)))
+        );
         assert!(t.commit_bound("s", WorkerKey::new(7, 1)).is_ok());
     }
 
@@ -325,29 +340,29 @@ mod tests {
     fn a_hold_that_may_not_wait_is_busy_behind_an_initializer() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        assert_eq!(t.hold("s", now, false), Hold::Init);
-        assert_eq!(t.hold("s", now, false), Hold::Busy);
+        assert_eq!(t.hold("s", now, Wait::No), Hold::Init);
+        assert_eq!(t.hold("s", now, Wait::No), Hold::Busy);
         // Other sessions are not affected.
-        assert_eq!(t.hold("other", now, false), Hold::Init);
+        assert_eq!(t.hold("other", now, Wait::No), Hold::Init);
         t.commit_init("s", target(7, Some(1)), now);
-        assert_eq!(t.hold("s", now, false), Hold::Bound(target(7, Some(1))));
+        assert_eq!(t.hold("s", now, Wait::No), Hold::Bound(target(7, Some(1))));
     }
 
     #[test]
     fn mismatched_commit_drops_the_binding_with_the_contract_message() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        t.hold("s", now, true);
+        t.hold("s", now, Wait::Yes(None));
         t.commit_init("s", target(7, Some(1)), now);
-        t.hold("s", now, true);
+        t.hold("s", now, Wait::Yes(None));
         assert_eq!(
             t.commit_bound("s", WorkerKey::new(8, 1)).unwrap_err(),
             "session s is bound to worker 7, not 8"
         );
         assert_eq!(t.read("s", now), None);
-        t.hold("s", now, true);
+        t.hold("s", now, Wait::Yes(None));
         t.commit_init("s", target(7, Some(1)), now);
-        t.hold("s", now, true);
+        t.hold("s", now, Wait::Yes(None));
         assert_eq!(
             t.commit_bound("s", WorkerKey::new(7, 0)).unwrap_err(),
             "session s is bound to DP rank 1, not 0"
@@ -358,7 +373,7 @@ mod tests {
     fn idle_ttl_starts_when_the_last_lease_is_released() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        t.hold("s", now, true);
+        t.hold("s", now, Wait::Yes(None));
         t.commit_init("s", target(1, Some(0)), now);
         let later = now + Duration::from_secs(60);
         assert!(
@@ -376,18 +391,18 @@ mod tests {
     fn abandoned_initialization_lets_the_next_request_initialize() {
         let t = SessionTable::new(Duration::from_secs(10), 0, 1);
         let now = Instant::now();
-        assert_eq!(t.hold("s", now, true), Hold::Init);
+        assert_eq!(t.hold("s", now, Wait::Yes(None)), Hold::Init);
         t.abandon("s");
-        assert_eq!(t.hold("s", now, true), Hold::Init);
+        assert_eq!(t.hold("s", now, Wait::Yes(None)), Hold::Init);
     }
 
     #[test]
     fn a_waiting_hold_sees_the_concurrent_commit() {
         let t = std::sync::Arc::new(SessionTable::new(Duration::from_secs(10), 0, 1));
         let now = Instant::now();
-        assert_eq!(t.hold("s", now, true), Hold::Init);
+        assert_eq!(t.hold("s", now, Wait::Yes(None)), Hold::Init);
         let t2 = std::sync::Arc::clone(&t);
-        let waiter = std::thread::spawn(move || t2.hold("s", now, true));
+        let waiter = std::thread::spawn(move || t2.hold("s", now, Wait::Yes(None)));
         std::thread::sleep(Duration::from_millis(20));
         t.commit_init("s", target(3, Some(0)), now);
         assert_eq!(waiter.join().unwrap(), Hold::Bound(target(3, Some(0))));
@@ -407,7 +422,7 @@ mod tests {
         assert!(!t.apply_remote(&u(6, 49), now));
         assert_eq!(t.read("s", now), Some(target(5, Some(0))));
         // Our next local version is above everything observed.
-        t.hold("x", now, true);
+        t.hold("x", now, Wait::Yes(None));
         assert!(t.commit_init("x", target(1, None), now).version.0 > 100);
     }
 }

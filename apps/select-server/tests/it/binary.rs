@@ -658,3 +658,55 @@ fn json_logs_are_one_object_per_line() {
     assert_eq!(registered["fields"]["worker_id"], 3);
     assert_eq!(registered["fields"]["lifecycle"], "schedulable");
 }
+
+/// An HTTP client that disconnects while its booking waits in the admission queue leaves
+/// nothing behind: the request leaves the queue, its id is free and no load is booked
+/// (service-semantics §5.2).
+#[test]
+fn a_client_that_disconnects_while_queued_leaves_nothing_behind() {
+    use std::io::Write as _;
+    let server = Server::start_with_env(
+        &[],
+        &[
+            ("DYN_ROUTER_USE_KV_EVENTS", "false"),
+            ("DYN_ROUTER_QUEUE_THRESHOLD", "0.5"),
+        ],
+    );
+    let (status, _) = server.post(
+        "/workers",
+        json!({"worker_id": 1, "endpoint": "http://w1", "block_size": 4, "max_num_batched_tokens": 10}),
+    );
+    assert_eq!(status, 201);
+    let (status, _) = server.post(
+        "/reservations",
+        json!({"selection_id": "busy", "worker_id": 1, "sequence_hashes": [1], "isl_tokens": 8, "effective_prefill_tokens": 8}),
+    );
+    assert_eq!(status, 201);
+    let pending = || server.get("/loads").1[0]["pending_count"].as_u64();
+
+    let body =
+        json!({"selection_id": "gone", "token_ids": (0..16).collect::<Vec<u32>>()}).to_string();
+    let mut client = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    write!(
+        client,
+        "POST /select_and_reserve HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_for("the request to queue", || pending() == Some(1));
+    drop(client);
+    wait_for("the request to leave the queue", || pending() == Some(0));
+
+    let (status, _) = server.post("/reservations/busy/prefill_complete", json!({}));
+    assert_eq!(status, 200);
+    assert_eq!(
+        active_requests(&server),
+        1,
+        "nothing was booked for the client"
+    );
+    let (status, again) = server.post(
+        "/select_and_reserve",
+        json!({"selection_id": "gone", "token_ids": [1, 2, 3, 4]}),
+    );
+    assert_eq!(status, 200, "the id was released: {again}");
+}

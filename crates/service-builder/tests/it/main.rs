@@ -309,11 +309,19 @@ fn explicit_reservation_validates_before_claiming() {
         prompt: hash_only(vec![], vec![21, 22], Some(40)),
         ..base.clone()
     };
-    let e = c.create_reservation(mismatched).unwrap_err();
+    let e = c.create_reservation(mismatched.clone()).unwrap_err();
     assert_eq!(
         e.message(),
         "block_hashes length 0 must match sequence_hashes length 2"
     );
+    // ... but only once the worker is known (http-api §6.1: step 5's 404 before step 6).
+    let e = c
+        .create_reservation(ReservationRequest {
+            worker_id: Some(5),
+            ..mismatched
+        })
+        .unwrap_err();
+    assert_eq!(e.status_code(), 404, "{}", e.message());
 
     let ok = c.create_reservation(base.clone()).unwrap();
     assert_eq!(
@@ -1408,6 +1416,188 @@ fn async_bookings_wait_off_the_runtime() {
         .recv_timeout(Duration::from_secs(20))
         .expect("a waiting booking held the runtime");
     assert_eq!(booked.as_deref(), Some("b"));
+}
+
+/// A caller that goes away while its booking waits in the admission queue (an HTTP client
+/// that disconnects) leaves the queue, holds no id and books nothing (service-semantics
+/// §5.2).
+#[test]
+fn a_caller_that_goes_away_leaves_the_queue_and_books_nothing() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut config = approx_config();
+        config.router.router_queue_threshold = Some(0.5);
+        let service = Arc::new(
+            service_builder::SelectionServiceBuilder::new(config)
+                .build()
+                .unwrap(),
+        );
+        let core = Arc::clone(service.core());
+        core.upsert_worker(WorkerRequest {
+            max_num_batched_tokens: Some(100),
+            ..worker(1)
+        })
+        .unwrap();
+        core.select_and_reserve(SelectRequest {
+            selection_id: Some("a".into()),
+            ..select(tokens(80))
+        })
+        .unwrap();
+        let gone = SelectRequest {
+            selection_id: Some("gone".into()),
+            ..select(tokens(8))
+        };
+        let waiter = {
+            let service = Arc::clone(&service);
+            let req = gone.clone();
+            tokio::spawn(async move { service.select_and_reserve(req).await })
+        };
+        let pending = || core.loads(None, None)[0].pending_count;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pending() == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(pending(), 1);
+        waiter.abort();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pending() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(pending(), 0, "the abandoned request left the queue");
+        let gone_reason = service_builder::RejectionReason::CallerGone;
+        let op = service_builder::RejectedOperation::SelectAndReserve;
+        assert_eq!(core.metrics().rejections(op, gone_reason), 1);
+        // Capacity frees: nothing was waiting for it, nothing gets booked.
+        core.prefill_complete("a").unwrap();
+        assert_eq!(core.reservation_count(), 1);
+        assert_eq!(core.loads(None, None)[0].loads[0].active_requests, 1);
+        // The id was released with it.
+        let again = service.select_and_reserve(gone).await.unwrap();
+        assert_eq!(again.selection_id.as_deref(), Some("gone"));
+        service.shutdown().await;
+    });
+}
+
+/// The queue's gate reads every eligibility rule (pin, allow-list, required taints), and a
+/// waiter blocked on its own ranks holds up nobody who could go elsewhere (scheduling
+/// §5.2).
+#[test]
+fn the_queue_gate_honours_taints_and_blocked_waiters_hold_up_nobody() {
+    use service_builder::Attempt;
+    let c = queue_core();
+    for (id, taints) in [(1, vec!["x".to_owned()]), (2, vec![])] {
+        c.upsert_worker(WorkerRequest {
+            max_num_batched_tokens: Some(100),
+            taints,
+            ..worker(id)
+        })
+        .unwrap();
+    }
+    // Worker 1 busy (80 > 0.5 x 100), worker 2 free.
+    c.create_reservation(ReservationRequest {
+        selection_id: "busy".into(),
+        worker_id: Some(1),
+        prompt: hash_only(vec![1], vec![1], Some(80)),
+        effective_prefill_tokens: Some(80),
+        ..ReservationRequest::default()
+    })
+    .unwrap();
+    let tainted = SelectRequest {
+        required_taints: vec!["x".into()],
+        ..select(tokens(8))
+    };
+    assert!(matches!(c.try_select(tainted), Attempt::WouldWait(_)));
+    let pinned = SelectRequest {
+        pinned_worker: Some(WorkerKey::new(1, 0)),
+        ..select(tokens(8))
+    };
+    assert!(matches!(
+        c.try_select(pinned.clone()),
+        Attempt::WouldWait(_)
+    ));
+    let waiter = {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || c.select(pinned))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.loads(None, None)[0].pending_count == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(c.loads(None, None)[0].pending_count, 1);
+    // Behind the pinned waiter, a request free to use worker 2 goes at once.
+    match c.try_select(select(tokens(8))) {
+        Attempt::Done(r) => assert_eq!(r.unwrap().worker_id, 2),
+        Attempt::WouldWait(_) => panic!("held up behind a waiter blocked on its pin"),
+    }
+    c.prefill_complete("busy").unwrap();
+    assert_eq!(waiter.join().unwrap().unwrap().worker_id, 1);
+}
+
+/// A session's bound worker that leaves while a booking for the session waits does not
+/// fail the booking: it books elsewhere and the session is bound anew (service-semantics
+/// §8.3 item 4).
+#[test]
+fn a_session_whose_worker_departs_mid_booking_is_bound_anew() {
+    let mut config = approx_config();
+    config.router.router_queue_threshold = Some(0.5);
+    config.session_affinity_ttl = Some(Duration::from_secs(60));
+    let c = core(config);
+    for id in [1, 2] {
+        c.upsert_worker(WorkerRequest {
+            max_num_batched_tokens: Some(100),
+            ..worker(id)
+        })
+        .unwrap();
+    }
+    let busy = |id: &str, worker: u64| {
+        c.create_reservation(ReservationRequest {
+            selection_id: id.into(),
+            worker_id: Some(worker),
+            prompt: hash_only(vec![1], vec![1], Some(80)),
+            effective_prefill_tokens: Some(80),
+            ..ReservationRequest::default()
+        })
+        .unwrap();
+    };
+    // Bind s to worker 2 (worker 1 busy), then release the lease: the binding stays.
+    busy("b1", 1);
+    let first = c
+        .select_and_reserve(SelectRequest {
+            selection_id: Some("s-1".into()),
+            ..with_session("s", 8)
+        })
+        .unwrap();
+    assert_eq!(first.worker_id, 2);
+    c.free_reservation("s-1").unwrap();
+    // Both busy: the next booking for s holds the binding to 2 and waits.
+    busy("b2", 2);
+    let waiter = {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || {
+            c.select_and_reserve(SelectRequest {
+                selection_id: Some("s-2".into()),
+                ..with_session("s", 8)
+            })
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.loads(None, None)[0].pending_count == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.delete_worker(2).unwrap();
+    c.prefill_complete("b1").unwrap();
+    let booked = waiter
+        .join()
+        .unwrap()
+        .expect("booked despite the departed binding");
+    assert_eq!(booked.worker_id, 1);
+    // The session now follows worker 1.
+    let read = c.select(with_session("s", 8)).unwrap();
+    assert_eq!(read.worker_id, 1);
 }
 
 /// Threads book the way the HTTP edge does (an inline attempt; the blocking call only for
