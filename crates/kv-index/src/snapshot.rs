@@ -317,7 +317,8 @@ enum PartitionDe {
 #[derive(Deserialize)]
 struct EventDe {
     worker_id: u64,
-    #[serde(deserialize_with = "tier_de")]
+    /// `"device"` when absent (replica-sync §9.1).
+    #[serde(default, deserialize_with = "tier_de")]
     storage_tier: StorageTier,
     event: InnerDe,
 }

@@ -395,16 +395,6 @@ impl SelectionCore {
         self.mesh().map(|m| m.peers()).unwrap_or_default()
     }
 
-    pub(crate) fn has_booked_row(&self, id: &str) -> bool {
-        matches!(
-            self.reservations.lock().get(id),
-            Some(ReservationRow {
-                state: RowState::Booked,
-                ..
-            })
-        )
-    }
-
     /// A mirrored booking occupies its id (replacing an in-flight local claim of the same
     /// partition, whose booking then fails with 409).
     pub(crate) fn install_mirrored_row(&self, id: &str, p: &Arc<Partition>) {
@@ -422,8 +412,16 @@ impl SelectionCore {
         }
     }
 
-    pub(crate) fn drop_row_silently(&self, id: &str, now: Instant) {
-        let removed = self.reservations.lock().remove(id);
+    /// Drops the row of a booking a peer freed: only a booked row of partition `p` (a row
+    /// of another partition, or a local claim in flight, describes another booking).
+    pub(crate) fn drop_mirrored_row(&self, id: &str, p: &Arc<Partition>, now: Instant) {
+        let removed = {
+            let mut rows = self.reservations.lock();
+            let ours = rows.get(id).is_some_and(|r| {
+                matches!(r.state, RowState::Booked) && Arc::ptr_eq(&r.partition, p)
+            });
+            if ours { rows.remove(id) } else { None }
+        };
         if let Some(row) = removed {
             row.release_session(now);
         }
@@ -2189,17 +2187,33 @@ impl SelectionCore {
     /// Startup recovery: applies a peer's `/dump` body. Partitions are created with the
     /// dumped block size (a later worker with another size becomes incomplete, as for any
     /// mismatch). Returns the number of operations applied.
+    ///
+    /// The peer fails (`Err`, the caller tries the next) as replica-sync §9.2 says: a body
+    /// with an `{"error": ...}` entry before anything is applied; a key without `:` when
+    /// it is reached, leaving the entries applied before it in place.
     pub fn restore_from_dump(&self, bytes: &[u8]) -> Result<usize, SelectionError> {
+        use kv_index::snapshot::PartitionDump;
         let dump =
             kv_index::snapshot::decode_dump(bytes, &kv_index::snapshot::DecodeLimits::default())
                 .map_err(|e| SelectionError::bad_request(format!("invalid snapshot: {e}")))?;
+        if let Some((key, message)) = dump.iter().find_map(|(key, part)| match part {
+            PartitionDump::Error { message } => Some((key, message)),
+            _ => None,
+        }) {
+            return Err(SelectionError::bad_request(format!(
+                "invalid snapshot: partition {key:?} is an error entry: {message}"
+            )));
+        }
         let mut applied = 0;
         for (key, part) in dump {
-            let kv_index::snapshot::PartitionDump::Snapshot { block_size, events } = part else {
+            let PartitionDump::Snapshot { block_size, events } = part else {
                 continue;
             };
             let Some((model, group)) = kv_index::snapshot::split_partition_key(&key) else {
-                continue;
+                return Err(SelectionError::bad_request(format!(
+                    "invalid snapshot: partition key {key:?} has no ':' (after {applied} \
+                     operations applied)"
+                )));
             };
             self.restore_partition(PartitionKey::new(model, group), block_size, &events)?;
             applied += events.len();

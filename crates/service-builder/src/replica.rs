@@ -144,9 +144,9 @@ impl SelectionCore {
                         if !p.schedules(e.worker.worker_id.0, Some(e.worker.dp_rank.0)) {
                             return count(&stats.unknown_worker);
                         }
-                        if self.has_booked_row(&e.request_id) {
-                            return count(&stats.duplicate_request);
-                        }
+                        // Only a booking live in this partition's tracker makes it a
+                        // duplicate (below): a stale row is replaced, and a row of another
+                        // partition is left alone while the load is still booked (§5).
                         let tracking = a.tracking_hashes.unwrap_or_default();
                         let prefill = a
                             .prefill_load_hint
@@ -177,10 +177,14 @@ impl SelectionCore {
                             Err(_) => count(&stats.unknown_worker),
                         }
                     }
+                    // The ledger's guard ends with each `let`: the queue re-check takes
+                    // the ledger again, and rows are locked before the ledger elsewhere (a
+                    // guard living through the `match` deadlocked the receiver).
                     SequenceEventKind::Free => {
-                        match p.ledger().lock().free_remote(&e.request_id, e.worker) {
+                        let freed = p.ledger().lock().free_remote(&e.request_id, e.worker);
+                        match freed {
                             Ok(_) => {
-                                self.drop_row_silently(&e.request_id, now);
+                                self.drop_mirrored_row(&e.request_id, &p, now);
                                 self.recheck_queue(&p);
                                 count(&stats.applied);
                             }
@@ -188,12 +192,17 @@ impl SelectionCore {
                         }
                     }
                     SequenceEventKind::MarkPrefillCompleted => {
-                        match p
+                        let completed = p
                             .ledger()
                             .lock()
-                            .prefill_complete_remote(&e.request_id, e.worker)
-                        {
-                            Ok(_) => count(&stats.applied),
+                            .prefill_complete_remote(&e.request_id, e.worker);
+                        match completed {
+                            Ok(_) => {
+                                // Freed prefill capacity wakes the queue, as a local
+                                // completion does (service-semantics §11).
+                                self.recheck_queue(&p);
+                                count(&stats.applied);
+                            }
                             Err(_) => count(&stats.not_live),
                         }
                     }

@@ -620,6 +620,55 @@ fn engine_events_over_zmq_steer_selection() {
     c.shutdown();
 }
 
+/// Startup recovery follows replica-sync §9.2: `storage_tier` defaults to the device tier;
+/// an error entry fails the peer before anything is applied; a key without `:` fails it
+/// where it stands, keeping what was applied before.
+#[test]
+fn recovery_applies_dumps_by_the_peer_rules() {
+    let stored = |worker: u64, hash: u64| {
+        format!(
+            r#"{{"worker_id":{worker},"event":{{"event_id":0,"data":{{"stored":{{"parent_hash":null,"start_position":null,"blocks":[{{"block_hash":{hash},"tokens_hash":{hash},"mm_extra_info":null}}]}}}}}}}}"#
+        )
+    };
+    let partition = |events: &str| format!(r#"{{"block_size":4,"events":[{events}]}}"#);
+    let keys = |c: &SelectionCore| -> Vec<String> {
+        let mut k: Vec<String> = c
+            .index_snapshot()
+            .iter()
+            .map(|(key, _, _)| key.to_string())
+            .collect();
+        k.sort();
+        k
+    };
+
+    let c = core(CoreConfig::default());
+    let body = format!(r#"{{"m:default":{}}}"#, partition(&stored(1, 7)));
+    assert_eq!(c.restore_from_dump(body.as_bytes()).unwrap(), 1);
+    let snapshot = c.index_snapshot();
+    assert_eq!(snapshot[0].2.len(), 1);
+    assert_eq!(snapshot[0].2[0].tier, kv_types::StorageTier::Device);
+
+    let c = core(CoreConfig::default());
+    let body = format!(
+        r#"{{"a:default":{},"b:default":{{"error":"no index"}}}}"#,
+        partition(&stored(1, 7))
+    );
+    let e = c.restore_from_dump(body.as_bytes()).unwrap_err();
+    assert!(e.message().contains("error entry"), "{}", e.message());
+    assert!(keys(&c).is_empty(), "nothing applied: {:?}", keys(&c));
+
+    let c = core(CoreConfig::default());
+    let body = format!(
+        r#"{{"a:default":{},"zz":{}}}"#,
+        partition(&stored(1, 7)),
+        partition(&stored(2, 8))
+    );
+    let e = c.restore_from_dump(body.as_bytes()).unwrap_err();
+    assert!(e.message().contains("has no ':'"), "{}", e.message());
+    assert_eq!(keys(&c), ["model=a routing_group=default"]);
+    c.shutdown();
+}
+
 // ------------------------------------------------------------ session affinity
 
 fn affinity_core() -> Arc<SelectionCore> {
@@ -1011,6 +1060,14 @@ fn start_replica(port: u16, peer: u16) -> service_builder::SelectionService {
         session_affinity_ttl: Some(Duration::from_secs(60)),
         ..approx_config()
     };
+    start_replica_with(port, peer, config)
+}
+
+fn start_replica_with(
+    port: u16,
+    peer: u16,
+    config: CoreConfig,
+) -> service_builder::SelectionService {
     service_builder::SelectionServiceBuilder::new(config)
         .replica_sync(service_builder::ReplicaSyncConfig {
             host: "127.0.0.1".into(),
@@ -1023,6 +1080,102 @@ fn start_replica(port: u16, peer: u16) -> service_builder::SelectionService {
 
 fn wait_until(what: &str, f: impl FnMut() -> bool) {
     testkit::wait_until(what, Duration::from_secs(10), f);
+}
+
+/// Replicated frees and prefill completions wake the admission queue and never block the
+/// receiver (a ledger guard held across the queue re-check deadlocked it), and a peer's
+/// booking replaces a stale row of the same id (replica-sync §5).
+#[test]
+fn replicated_lifecycle_wakes_the_queue_and_replaces_stale_rows() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let (pa, pb) = (free_port(), free_port());
+    let mut config = approx_config();
+    config.router.router_queue_threshold = Some(0.5);
+    let a = Arc::new(start_replica_with(pa, pb, config.clone()));
+    let b = start_replica_with(pb, pa, config);
+    let one = || WorkerRequest {
+        max_num_batched_tokens: Some(100),
+        ..worker(1)
+    };
+    for s in [&*a, &b] {
+        s.core().upsert_worker(one()).unwrap();
+    }
+    // Answers within 10 s, or the receiver is stuck.
+    let loads_of = |s: &Arc<service_builder::SelectionService>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let s = Arc::clone(s);
+        std::thread::spawn(move || {
+            let _ = tx.send(s.core().loads(None, None)[0].loads[0]);
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the replica answers /loads")
+    };
+    let reserve = |s: &service_builder::SelectionService, id: &str, prefill: u64| {
+        s.core()
+            .create_reservation(ReservationRequest {
+                selection_id: id.into(),
+                worker_id: Some(1),
+                prompt: hash_only(vec![1], vec![1], Some(prefill.max(1))),
+                effective_prefill_tokens: Some(prefill),
+                ..ReservationRequest::default()
+            })
+            .unwrap()
+    };
+    // PUB/SUB joins asynchronously: probe until B's bookings reach A.
+    let mut probe = 0;
+    wait_until("the mesh to connect", || {
+        let id = format!("probe-{probe}");
+        probe += 1;
+        reserve(&b, &id, 0);
+        std::thread::sleep(Duration::from_millis(30));
+        b.core().free_reservation(&id).unwrap();
+        let applied = &a.core().replica_stats().applied;
+        applied.load(std::sync::atomic::Ordering::Relaxed) > 0
+    });
+    wait_until("the probes' frees", || loads_of(&a).active_requests == 0);
+
+    // Busy on B, seen on A; a selection on A queues; B's prefill completion admits it.
+    reserve(&b, "busy", 80);
+    wait_until("the mirrored booking", || {
+        loads_of(&a).potential_prefill_tokens == 80
+    });
+    let waiter = {
+        let a = Arc::clone(&a);
+        std::thread::spawn(move || a.core().select(select(tokens(8))))
+    };
+    wait_until("the selection to queue", || {
+        a.core().loads(None, None)[0].pending_count == 1
+    });
+    b.core().prefill_complete("busy").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(waiter.join());
+    });
+    let admitted = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the replicated prefill completion woke the queue");
+    assert_eq!(admitted.unwrap().unwrap().worker_id, 1);
+    b.core().free_reservation("busy").unwrap();
+    wait_until("the replicated free", || loads_of(&a).active_requests == 0);
+
+    // A row on A whose booking its ledger dropped (the worker was re-registered) is stale:
+    // B's booking of the same id replaces it.
+    reserve(&a, "r5", 20);
+    wait_until("r5 on B", || {
+        b.core().loads(None, None)[0].loads[0].active_requests == 1
+    });
+    a.core().delete_worker(1).unwrap();
+    a.core().upsert_worker(one()).unwrap();
+    b.core().free_reservation("r5").unwrap();
+    reserve(&b, "r5", 30);
+    wait_until("B's r5 mirrored on A", || {
+        loads_of(&a).potential_prefill_tokens == 30
+    });
+    a.core().free_reservation("r5").unwrap();
+    wait_until("A's free of the mirror reaching B", || {
+        b.core().loads(None, None)[0].loads[0].active_requests == 0
+    });
 }
 
 #[test]
@@ -1357,6 +1510,25 @@ fn a_request_that_would_queue_comes_back_untouched_and_nothing_is_queued() {
     assert_eq!(c.metrics().admission_waits(), 1);
 }
 
+/// A service (built inside a runtime) whose one worker, of 100 batched tokens, is busy
+/// past 50 prefill tokens, so bookings queue.
+fn queued_service() -> (Arc<service_builder::SelectionService>, Arc<SelectionCore>) {
+    let mut config = approx_config();
+    config.router.router_queue_threshold = Some(0.5);
+    let service = Arc::new(
+        service_builder::SelectionServiceBuilder::new(config)
+            .build()
+            .unwrap(),
+    );
+    let core = Arc::clone(service.core());
+    core.upsert_worker(WorkerRequest {
+        max_num_batched_tokens: Some(100),
+        ..worker(1)
+    })
+    .unwrap();
+    (service, core)
+}
+
 /// `SelectionService`'s async methods never block the runtime: on a single-threaded
 /// runtime, a booking that must wait in the admission queue waits on the blocking pool,
 /// while the runtime's other task frees the capacity it is waiting for.
@@ -1369,19 +1541,7 @@ fn async_bookings_wait_off_the_runtime() {
     let (done, finished) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         runtime.block_on(async {
-            let mut config = approx_config();
-            config.router.router_queue_threshold = Some(0.5);
-            let service = Arc::new(
-                service_builder::SelectionServiceBuilder::new(config)
-                    .build()
-                    .unwrap(),
-            );
-            let core = Arc::clone(service.core());
-            core.upsert_worker(WorkerRequest {
-                max_num_batched_tokens: Some(100),
-                ..worker(1)
-            })
-            .unwrap();
+            let (service, core) = queued_service();
             // Inline: nothing waits yet.
             service
                 .select_and_reserve(SelectRequest {
@@ -1429,19 +1589,7 @@ fn a_caller_that_goes_away_leaves_the_queue_and_books_nothing() {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let mut config = approx_config();
-        config.router.router_queue_threshold = Some(0.5);
-        let service = Arc::new(
-            service_builder::SelectionServiceBuilder::new(config)
-                .build()
-                .unwrap(),
-        );
-        let core = Arc::clone(service.core());
-        core.upsert_worker(WorkerRequest {
-            max_num_batched_tokens: Some(100),
-            ..worker(1)
-        })
-        .unwrap();
+        let (service, core) = queued_service();
         core.select_and_reserve(SelectRequest {
             selection_id: Some("a".into()),
             ..select(tokens(80))
@@ -1463,14 +1611,16 @@ fn a_caller_that_goes_away_leaves_the_queue_and_books_nothing() {
         }
         assert_eq!(pending(), 1);
         waiter.abort();
+        let gone_reason = service_builder::RejectionReason::CallerGone;
+        let op = service_builder::RejectedOperation::SelectAndReserve;
+        // The queue lets go first; the rejection is counted as the blocking call returns.
+        let counted = || core.metrics().rejections(op, gone_reason);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while pending() > 0 && Instant::now() < deadline {
+        while (pending() > 0 || counted() == 0) && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(pending(), 0, "the abandoned request left the queue");
-        let gone_reason = service_builder::RejectionReason::CallerGone;
-        let op = service_builder::RejectedOperation::SelectAndReserve;
-        assert_eq!(core.metrics().rejections(op, gone_reason), 1);
+        assert_eq!(counted(), 1);
         // Capacity frees: nothing was waiting for it, nothing gets booked.
         core.prefill_complete("a").unwrap();
         assert_eq!(core.reservation_count(), 1);
