@@ -189,9 +189,11 @@ struct ReservationRow {
 }
 
 impl ReservationRow {
-    fn release_session(&self, now: Instant) {
-        if let (Some(sid), Some(table)) = (&self.session, &self.partition.sessions) {
-            table.release(sid, now);
+    /// Releases the row's session lease; the binding, for peers, if it is still there.
+    fn release_session(&self, now: Instant) -> Option<BindingUpdate> {
+        match (&self.session, &self.partition.sessions) {
+            (Some(sid), Some(table)) => table.release(sid, now),
+            _ => None,
         }
     }
 }
@@ -351,6 +353,20 @@ impl SelectionCore {
         self.replica.read().clone()
     }
 
+    /// Releases a row's session lease and tells peers to refresh the binding's idle
+    /// deadline (replica-sync §7.2: a released lease republishes the unchanged version).
+    fn release_row_session(&self, row: &ReservationRow, now: Instant) {
+        if let Some(update) = row.release_session(now)
+            && let Some(mesh) = self.mesh()
+            && mesh.session_affinity()
+        {
+            crate::replica::publish(
+                Some(&mesh),
+                crate::replica::binding_event(&row.partition.key, &update),
+            );
+        }
+    }
+
     /// Publishes the event `make` builds; without replica sync nothing is built (events own
     /// their strings, and this runs on every reservation call).
     fn publish_replica_with(&self, make: impl FnOnce() -> replica_sync::ReplicaEvent) {
@@ -423,7 +439,7 @@ impl SelectionCore {
             if ours { rows.remove(id) } else { None }
         };
         if let Some(row) = removed {
-            row.release_session(now);
+            self.release_row_session(&row, now);
         }
     }
 
@@ -1864,7 +1880,7 @@ impl SelectionCore {
         };
         if matches!(row.state, RowState::Booked) {
             drop(rows);
-            row.release_session(Instant::now());
+            self.release_row_session(&row, Instant::now());
         } else {
             rows.insert(key, row);
         }
@@ -1971,7 +1987,7 @@ impl SelectionCore {
             RowState::Booked => {
                 let live = row.partition.ledger.lock().contains(id.as_str());
                 if !live {
-                    row.release_session(now);
+                    self.release_row_session(row, now);
                 }
                 live
             }
@@ -2523,7 +2539,9 @@ impl Drop for SessionGuard<'_> {
         let Some(table) = self.table else { return };
         match self.state {
             GuardState::Init => table.abandon(&self.sid),
-            GuardState::Bound(_) | GuardState::Leased => table.release(&self.sid, Instant::now()),
+            GuardState::Bound(_) | GuardState::Leased => {
+                table.release(&self.sid, Instant::now());
+            }
             GuardState::Idle => {}
         }
     }

@@ -245,47 +245,73 @@ impl SessionTable {
         }
     }
 
-    /// Releases one lease; the last one starts the idle TTL.
-    pub(crate) fn release(&self, session: &str, now: Instant) {
+    /// Releases one lease; the last one starts the idle TTL. Returns the binding (version
+    /// unchanged) for peers to refresh their idle deadline (replica-sync §7.2).
+    pub(crate) fn release(&self, session: &str, now: Instant) -> Option<BindingUpdate> {
         let mut t = self.entries.lock();
-        if let Some(Entry::Bound {
+        let Some(Entry::Bound {
+            target,
+            version,
             leases,
             idle_deadline,
-            ..
         }) = t.map.get_mut(session)
-        {
-            *leases = leases.saturating_sub(1);
-            if *leases == 0 {
-                *idle_deadline = now + self.ttl;
-            }
+        else {
+            return None;
+        };
+        *leases = leases.saturating_sub(1);
+        if *leases == 0 {
+            *idle_deadline = now + self.ttl;
         }
+        Some(BindingUpdate {
+            session_id: session.to_owned(),
+            target: *target,
+            version: *version,
+            ttl: self.ttl,
+        })
     }
 
-    /// Applies a peer's binding if its version is newer than ours.
+    /// Applies a peer's binding (replica-sync §7.3 step 6): inserted when absent; ignored
+    /// while a local request initializes the session; replacing an idle-expired binding;
+    /// refreshing one to the same target at an equal or newer version; replacing one to
+    /// another target only at a newer version. Returns whether it was applied.
     pub(crate) fn apply_remote(&self, update: &BindingUpdate, now: Instant) -> bool {
         let mut t = self.entries.lock();
         t.sequence = t.sequence.max(update.version.0.saturating_add(1));
-        let newer = match t.map.get(&update.session_id) {
-            Some(Entry::Bound { version, .. }) => update.version > *version,
-            Some(Entry::Initializing) => false,
-            None => t.map.len() < MAX_SESSIONS_PER_TABLE,
+        let leases = match t.map.get(&update.session_id) {
+            None if t.map.len() < MAX_SESSIONS_PER_TABLE => 0,
+            None | Some(Entry::Initializing) => return false,
+            Some(Entry::Bound {
+                leases,
+                idle_deadline,
+                ..
+            }) if *leases == 0 && *idle_deadline <= now => 0,
+            Some(Entry::Bound {
+                target,
+                version,
+                leases,
+                ..
+            }) => {
+                let applies = if *target == update.target {
+                    update.version >= *version
+                } else {
+                    update.version > *version
+                };
+                if !applies {
+                    return false;
+                }
+                *leases
+            }
         };
-        if newer {
-            let leases = match t.map.get(&update.session_id) {
-                Some(Entry::Bound { leases, .. }) => *leases,
-                _ => 0,
-            };
-            t.map.insert(
-                update.session_id.clone(),
-                Entry::Bound {
-                    target: update.target,
-                    version: update.version,
-                    leases,
-                    idle_deadline: now + self.ttl,
-                },
-            );
-        }
-        newer
+        t.map.insert(
+            update.session_id.clone(),
+            Entry::Bound {
+                target: update.target,
+                version: update.version,
+                leases,
+                idle_deadline: now + self.ttl,
+            },
+        );
+        true
     }
 
     /// Removes expired bindings; returns how many.
@@ -334,6 +360,58 @@ mod tests {
             Hold::Bound(target(7, Some(1)))
         );
         assert!(t.commit_bound("s", WorkerKey::new(7, 1)).is_ok());
+    }
+
+    #[test]
+    fn peer_bindings_apply_by_the_replica_rules() {
+        let ttl = Duration::from_secs(10);
+        let t = SessionTable::new(ttl, 0, 1);
+        let now = Instant::now();
+        let update = |w: u64, version: BindingVersion| BindingUpdate {
+            session_id: "s".into(),
+            target: target(w, Some(0)),
+            version,
+            ttl,
+        };
+        // Absent: inserted.
+        assert!(t.apply_remote(&update(1, (5, 9)), now));
+        // Same target, same version: adopted (the deadline refresh a released lease sends).
+        let later = now + Duration::from_secs(8);
+        assert!(t.apply_remote(&update(1, (5, 9)), later));
+        assert_eq!(
+            t.read("s", now + Duration::from_secs(15)),
+            Some(target(1, Some(0)))
+        );
+        // Another target needs a newer version.
+        assert!(!t.apply_remote(&update(2, (5, 9)), later));
+        assert!(!t.apply_remote(&update(2, (4, 99)), later));
+        assert!(t.apply_remote(&update(2, (5, 10)), later));
+        assert_eq!(t.read("s", later), Some(target(2, Some(0))));
+        // Idle-expired: replaced whatever the version.
+        let expired = later + ttl + Duration::from_secs(1);
+        assert!(t.apply_remote(&update(3, (1, 1)), expired));
+        assert_eq!(t.read("s", expired), Some(target(3, Some(0))));
+        // A local initializer wins.
+        assert_eq!(t.hold("x", now, Wait::No), Hold::Init);
+        let x = BindingUpdate {
+            session_id: "x".into(),
+            ..update(1, (50, 9))
+        };
+        assert!(!t.apply_remote(&x, now));
+    }
+
+    #[test]
+    fn releasing_a_lease_returns_the_unchanged_binding() {
+        let t = SessionTable::new(Duration::from_secs(10), 0, 1);
+        let now = Instant::now();
+        assert_eq!(t.hold("s", now, Wait::No), Hold::Init);
+        let bound = t.commit_init("s", target(7, Some(1)), now);
+        let released = t.release("s", now).expect("still bound");
+        assert_eq!(
+            (released.target, released.version),
+            (bound.target, bound.version)
+        );
+        assert!(t.release("gone", now).is_none());
     }
 
     #[test]
