@@ -523,6 +523,16 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
     )?;
     rows(
         enc,
+        "index_duplicate_stores",
+        "Stores that changed nothing (every block already held): the duplicate_store \
+         warnings, also counted as stored/ok above.",
+        MetricType::Counter,
+        snapshot
+            .iter()
+            .map(|r| (part(r), r.counters.duplicate_store)),
+    )?;
+    rows(
+        enc,
         "index_blocks",
         "Distinct device-tier blocks (prefix-tree nodes) in the partition's index.",
         MetricType::Gauge,

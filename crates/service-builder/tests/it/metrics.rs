@@ -175,6 +175,17 @@ fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() 
             c.index_counters()[0].1.stored_ok
         ),
     );
+    // The store was republished until it arrived: every copy after the first is a
+    // duplicate_store warning.
+    let counters = c.index_counters()[0].1;
+    assert_eq!(counters.duplicate_store, counters.stored_ok - 1);
+    has(
+        &text,
+        &format!(
+            r#"kv_select_index_duplicate_stores_total{{model_name="default",routing_group="default"}} {}"#,
+            counters.duplicate_store
+        ),
+    );
     has(
         &text,
         r#"kv_select_index_blocks{model_name="default",routing_group="default"} 8"#,
