@@ -2457,50 +2457,11 @@ impl<'p> SessionGuard<'p> {
         let Some(table) = self.table else {
             return Ok(None);
         };
-        match self.state {
-            GuardState::Init => {
-                let target = SessionTarget {
-                    worker_id: booked.worker_id.0,
-                    dp_rank: Some(booked.dp_rank.0),
-                };
-                let update = table.commit_init(&self.sid, target, Instant::now());
-                self.state = GuardState::Leased;
-                Ok(Some(update))
-            }
-            GuardState::Bound(held) => match table.commit_bound(&self.sid, booked) {
-                Ok(update) => {
-                    self.state = GuardState::Leased;
-                    Ok(Some(update))
-                }
-                Err(message) => {
-                    // The binding (and with it our lease) is gone.
-                    self.state = GuardState::Idle;
-                    if partition.schedules(held.worker_id, held.dp_rank) {
-                        return Err(SelectionError::bad_request(message));
-                    }
-                    // The bound target left while this request was scheduled: bind anew
-                    // (§8.3 item 4).
-                    self.rebind(table, booked, partition)
-                }
-            },
-            GuardState::Idle | GuardState::Leased => Ok(None),
-        }
-    }
-
-    /// Re-acquires the session without waiting after its bound target departed, at most
-    /// twice: a fresh hold commits the booked target; a binding another request made
-    /// meanwhile must agree with it (else 400); another initializer or a full table leaves
-    /// the booking without a binding.
-    fn rebind(
-        &mut self,
-        table: &SessionTable,
-        booked: WorkerKey,
-        partition: &Partition,
-    ) -> Result<Option<BindingUpdate>, SelectionError> {
-        for _ in 0..2 {
-            match table.hold(&self.sid, Instant::now(), Wait::No) {
-                Hold::Init => {
-                    self.state = GuardState::Init;
+        // A bound target that departed while this request was scheduled is re-acquired
+        // without waiting, at most twice (§8.3 item 4).
+        for attempt in 0..3 {
+            let held = match self.state {
+                GuardState::Init => {
                     let target = SessionTarget {
                         worker_id: booked.worker_id.0,
                         dp_rank: Some(booked.dp_rank.0),
@@ -2509,15 +2470,32 @@ impl<'p> SessionGuard<'p> {
                     self.state = GuardState::Leased;
                     return Ok(Some(update));
                 }
-                Hold::Bound(target) => match table.commit_bound(&self.sid, booked) {
-                    Ok(update) => {
-                        self.state = GuardState::Leased;
-                        return Ok(Some(update));
+                GuardState::Bound(held) => held,
+                GuardState::Idle | GuardState::Leased => return Ok(None),
+            };
+            match table.commit_bound(&self.sid, booked) {
+                Ok(update) => {
+                    self.state = GuardState::Leased;
+                    return Ok(Some(update));
+                }
+                Err(message) => {
+                    // The binding (and with it our lease) is gone.
+                    self.state = GuardState::Idle;
+                    if partition.schedules(held.worker_id, held.dp_rank) {
+                        return Err(SelectionError::bad_request(message));
                     }
-                    Err(_) if !partition.schedules(target.worker_id, target.dp_rank) => {}
-                    Err(message) => return Err(SelectionError::bad_request(message)),
-                },
-                Hold::Busy | Hold::Full => return Ok(None),
+                    if attempt == 2 {
+                        return Ok(None);
+                    }
+                    // A fresh hold binds the booked target; another request's new binding
+                    // must agree with it; another initializer or a full table leaves the
+                    // booking without a binding.
+                    self.state = match table.hold(&self.sid, Instant::now(), Wait::No) {
+                        Hold::Init => GuardState::Init,
+                        Hold::Bound(target) => GuardState::Bound(target),
+                        Hold::Busy | Hold::Full => return Ok(None),
+                    };
+                }
             }
         }
         Ok(None)

@@ -12,7 +12,9 @@
 //! block then; `try_*` variants hand the request back instead ([`Attempt::WouldWait`],
 //! nothing changed). Async callers use [`SelectionService::select`],
 //! [`SelectionService::select_and_reserve`] and [`SelectionService::create_reservation`],
-//! which run inline and move to tokio's blocking pool only what would wait.
+//! which run inline and move to tokio's blocking pool only what would wait. Dropping such
+//! a future while it waits (the caller went away) takes the request out of the queue, and
+//! frees a booking it made that nobody received.
 //!
 //! # Embedding
 //! A router that links the service instead of calling select-server over HTTP
