@@ -47,18 +47,60 @@ pub(crate) fn spawn_server(
 pub(crate) fn wait_until_listening(mut child: Child, port: u16) -> Option<Child> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
-        if answers_health(port) {
-            std::thread::sleep(Duration::from_millis(100));
-            if child.try_wait().unwrap().is_none() {
-                return Some(child);
+        // Another test's server can answer on a port taken from under this one while this
+        // child is still recovering (it binds HTTP only afterwards): the port counts only
+        // once this child holds its listening socket.
+        match listens_on(child.id(), port) {
+            Some(false) => {}
+            Some(true) | None if answers_health(port) => {
+                std::thread::sleep(Duration::from_millis(100));
+                if child.try_wait().unwrap().is_none()
+                    && listens_on(child.id(), port) != Some(false)
+                {
+                    return Some(child);
+                }
+                break;
             }
-            break;
+            Some(true) | None => {}
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     let _ = child.kill();
     let _ = child.wait();
     None
+}
+
+/// Whether process `pid` holds a TCP socket listening on `port` (from `/proc`); `None`
+/// where `/proc` cannot tell (not Linux).
+fn listens_on(pid: u32, port: u16) -> Option<bool> {
+    let mut inodes = Vec::new();
+    let mut readable = false;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        readable = true;
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address is ADDR:PORT in hex; state 0A is LISTEN; field 9 the inode.
+            let listening = f.get(3) == Some(&"0A");
+            let local_port = f
+                .get(1)
+                .and_then(|a| a.rsplit_once(':'))
+                .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            if listening && local_port == Some(port) {
+                inodes.extend(f.get(9).map(|i| format!("socket:[{i}]")));
+            }
+        }
+    }
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    if !readable {
+        return None;
+    }
+    Some(fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .is_ok_and(|target| inodes.iter().any(|i| target.as_os_str() == i.as_str()))
+    }))
 }
 
 /// Whether `port` answers `GET /health` with an HTTP 200 (a bounded wait).
