@@ -498,9 +498,17 @@ impl KvIndex {
     /// The root-aligned chain of engine hashes for `query` (at most `max_len`) that a
     /// KV-transfer hint names (`scheduling.md` §4.8): the device tree's walk, then extended
     /// position by position with host_pinned continuations. Disk and external tiers do not
-    /// take part: a hint moves blocks a source can serve from memory.
-    pub fn root_chain(&self, query: &[BlockHash], max_len: usize, out: &mut Vec<ExternalHash>) {
-        self.primary.root_chain(query, max_len, out);
+    /// take part: a hint moves blocks a source can serve from memory. Blocks are named by
+    /// `holder`'s own hashes where its engine hashed them differently from the tree's first
+    /// writer, so the chain continues along `holder`'s host-tier blocks too.
+    pub fn root_chain(
+        &self,
+        query: &[BlockHash],
+        max_len: usize,
+        holder: Option<WorkerKey>,
+        out: &mut Vec<ExternalHash>,
+    ) {
+        self.primary.root_chain(query, max_len, holder, out);
         let Some(host) = &self.lower[0] else {
             return;
         };

@@ -32,6 +32,13 @@
 //!   changes). The rare entry whose hash differs from its node's (another worker created
 //!   the node, or an engine reused a hash) lives in a small side map. 5 bytes per bucket
 //!   instead of 17.
+//! - **Each worker's own engine hashes.** Engines that hash the same tokens differently
+//!   (vLLM without a fixed hash seed) share trie nodes, which keep the first writer's
+//!   hash. A reverse side map (node → the worker's hash, only for its side-map entries)
+//!   names every block by its own worker's hash where that matters: the last matched hash
+//!   that anchors lower-tier walks, the `/dump` events (blocks and parents, so a replay
+//!   restores every worker's map), and a KV hint's chain read for its source. Empty, and
+//!   one `is_empty` check, when engines agree.
 //!   A compressed (run-length) tree would save lookups but forces the reference's
 //!   cutoff semantics (§2.5), which differ from the normative model.
 //! - **Matching** narrows a sorted active set per depth. Each node carries one bit "my

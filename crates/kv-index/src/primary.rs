@@ -85,6 +85,12 @@ struct WorkerState {
     /// worker created the node under its own hash, or an engine reused a hash). Disjoint
     /// from `blocks`.
     foreign: FxHashMap<ExternalHash, u32>,
+    /// Node → the hash this worker last stored it under, for the nodes it maps through
+    /// `foreign`: engines that hash the same tokens differently (vLLM without a fixed hash
+    /// seed) share nodes, and a match or a dump must name a block by its own worker's hash
+    /// (lower-tier anchors, replayable parents). Every entry is also in `foreign`; empty
+    /// whenever `foreign` is.
+    own_at: FxHashMap<u32, ExternalHash>,
     /// Nodes whose owner set contains this slot (can exceed `blocks.len()` only when an
     /// engine reuses an external hash for a different position).
     owned: u32,
@@ -111,6 +117,7 @@ impl WorkerState {
             key,
             blocks: HashTable::new(),
             foreign: FxHashMap::default(),
+            own_at: FxHashMap::default(),
             owned: 0,
             version,
         }
@@ -138,7 +145,13 @@ impl WorkerState {
             let previous = if self.foreign.is_empty() {
                 None
             } else {
-                self.foreign.remove(&ext)
+                // The latest store names `node` by the node's own hash.
+                self.own_at.remove(&node);
+                let previous = self.foreign.remove(&ext);
+                if let Some(old) = previous {
+                    self.forget_own(old, ext);
+                }
+                previous
             };
             match self
                 .blocks
@@ -157,8 +170,32 @@ impl WorkerState {
                 Ok(e) => Some(e.remove().0),
                 Err(_) => None,
             };
-            self.foreign.insert(ext, node).or(previous)
+            let moved = self.foreign.insert(ext, node);
+            if let Some(old) = moved {
+                self.forget_own(old, ext);
+            }
+            self.own_at.insert(node, ext);
+            moved.or(previous)
         }
+    }
+
+    /// Drops `node`'s own-hash entry if it is `ext` (whose `foreign` entry just went).
+    #[inline]
+    fn forget_own(&mut self, node: u32, ext: ExternalHash) {
+        if self.own_at.get(&node) == Some(&ext) {
+            self.own_at.remove(&node);
+        }
+    }
+
+    /// The hash this worker names `node` by.
+    #[inline]
+    fn external_of(&self, nodes: &[Node], node: u32) -> ExternalHash {
+        if !self.own_at.is_empty()
+            && let Some(&ext) = self.own_at.get(&node)
+        {
+            return ext;
+        }
+        ExternalHash(nodes[node as usize].external)
     }
 
     /// Forgets `ext`; returns the node it mapped to.
@@ -167,6 +204,7 @@ impl WorkerState {
         if !self.foreign.is_empty()
             && let Some(node) = self.foreign.remove(&ext)
         {
+            self.forget_own(node, ext);
             return Some(node);
         }
         match self
@@ -182,6 +220,7 @@ impl WorkerState {
     fn allocated_bytes(&self) -> usize {
         self.blocks.allocation_size()
             + self.foreign.capacity() * (std::mem::size_of::<(ExternalHash, u32)>() + 1)
+            + self.own_at.capacity() * (std::mem::size_of::<(u32, ExternalHash)>() + 1)
     }
 }
 
@@ -627,16 +666,29 @@ impl PrefixIndex {
     }
 
     /// The engine hashes along the query's path from the root, as far as the tree has it
-    /// (at most `max_len`): the root-aligned chain a KV-transfer hint names. Each node
-    /// carries the external hash of the store that created it.
-    pub fn root_chain(&self, query: &[BlockHash], max_len: usize, out: &mut Vec<ExternalHash>) {
+    /// (at most `max_len`): the root-aligned chain a KV-transfer hint names. A block is
+    /// named by `holder`'s hash where it stored the block under its own, otherwise by the
+    /// hash of the store that created the node.
+    pub fn root_chain(
+        &self,
+        query: &[BlockHash],
+        max_len: usize,
+        holder: Option<WorkerKey>,
+        out: &mut Vec<ExternalHash>,
+    ) {
         out.clear();
+        let state = holder
+            .and_then(|k| self.slot_of.get(&k))
+            .and_then(|&slot| self.workers[slot as usize].as_ref());
         let mut parent = ROOT;
         for q in query.iter().take(max_len) {
             let Some(node) = self.child(parent, q.0) else {
                 break;
             };
-            out.push(ExternalHash(self.nodes[node as usize].external));
+            out.push(match state {
+                Some(state) => state.external_of(&self.nodes, node),
+                None => ExternalHash(self.nodes[node as usize].external),
+            });
             parent = node;
         }
     }
@@ -649,13 +701,13 @@ impl PrefixIndex {
         out.entries.clear();
         out.slots.clear();
         let (entries, slots) = (&mut out.entries, &mut out.slots);
-        let workers = &self.workers;
-        self.walk(query, &mut out.active, |slot, depth, last_external| {
+        let (workers, nodes) = (&self.workers, self.nodes.as_slice());
+        self.walk(query, &mut out.active, |slot, depth, last| {
             if let Some(state) = workers[slot as usize].as_ref() {
                 entries.push(OverlapEntry {
                     worker: state.key,
                     matched_blocks: depth,
-                    last_external,
+                    last_external: state.external_of(nodes, last),
                 });
                 slots.push(slot);
             }
@@ -681,15 +733,15 @@ impl PrefixIndex {
         });
     }
 
-    /// The walk of [`PrefixIndex::find_matches`]: calls `matched(slot, depth, last external
-    /// hash)` once per worker slot that holds a prefix of `query`, with its longest one.
+    /// The walk of [`PrefixIndex::find_matches`]: calls `matched(slot, depth, last matched
+    /// node)` once per worker slot that holds a prefix of `query`, with its longest one.
     /// `active` is scratch.
     #[inline(always)]
     fn walk(
         &self,
         query: &[BlockHash],
         active: &mut Vec<u32>,
-        mut matched: impl FnMut(u32, u32, ExternalHash),
+        mut matched: impl FnMut(u32, u32, u32),
     ) {
         active.clear();
         let Some(first) = query.first() else {
@@ -751,8 +803,8 @@ impl PrefixIndex {
             };
             let owners = nodes[next as usize].owners.as_slice();
             if owners != active.as_slice() {
-                let last_external = ExternalHash(n.external);
-                retain_intersection(active, owners, |slot| matched(slot, depth, last_external));
+                let last = node;
+                retain_intersection(active, owners, |slot| matched(slot, depth, last));
                 if active.is_empty() {
                     return;
                 }
@@ -760,9 +812,8 @@ impl PrefixIndex {
             node = next;
             depth += 1;
         }
-        let last_external = ExternalHash(self.nodes[node as usize].external);
         for &slot in active.iter() {
-            matched(slot, depth, last_external);
+            matched(slot, depth, node);
         }
         active.clear();
     }
@@ -771,6 +822,8 @@ impl PrefixIndex {
     /// owner sets merged into one run, one call per worker covering the run, parents first.
     /// Memberships a worker cannot reach from the root (after a mid-chain removal) are
     /// skipped: they never contribute to a match and would be rejected on replay anyway.
+    /// Each worker's blocks and parent carry the hashes it stored them under, so a replay
+    /// gives every worker back its own map.
     pub(crate) fn for_each_run(
         &self,
         mut emit: impl FnMut(WorkerKey, Option<ExternalHash>, &[StoredBlock]),
@@ -796,13 +849,17 @@ impl PrefixIndex {
             pairs[a as usize..b as usize].iter().map(|&(_, _, c)| c)
         };
 
-        let mut queue: std::collections::VecDeque<(u32, Option<ExternalHash>, Vec<u32>)> =
+        // (run head, last node of the parent run, slots that reach the parent run).
+        let mut queue: std::collections::VecDeque<(u32, Option<u32>, Vec<u32>)> =
             children(ROOT).map(|c| (c, None, Vec::new())).collect();
         let mut blocks: Vec<StoredBlock> = Vec::new();
+        let mut run: Vec<u32> = Vec::new();
+        let mut own: Vec<StoredBlock> = Vec::new();
         let mut keys: Vec<(WorkerKey, u32)> = Vec::new();
-        while let Some((head, parent_ext, parent_reach)) = queue.pop_front() {
+        let nodes = self.nodes.as_slice();
+        while let Some((head, parent, parent_reach)) = queue.pop_front() {
             let owners = self.nodes[head as usize].owners.as_slice();
-            let reach: Vec<u32> = if parent_ext.is_none() {
+            let reach: Vec<u32> = if parent.is_none() {
                 owners.to_vec()
             } else {
                 owners
@@ -812,9 +869,11 @@ impl PrefixIndex {
                     .collect()
             };
             blocks.clear();
+            run.clear();
             let mut cur = head;
             loop {
                 let node = &self.nodes[cur as usize];
+                run.push(cur);
                 blocks.push(StoredBlock::new(
                     ExternalHash(node.external),
                     BlockHash(node.local),
@@ -834,13 +893,24 @@ impl PrefixIndex {
                     .filter_map(|&s| self.workers[s as usize].as_ref().map(|st| (st.key, s))),
             );
             keys.sort_unstable();
-            for &(key, _) in &keys {
-                emit(key, parent_ext, &blocks);
+            for &(key, slot) in &keys {
+                let Some(state) = self.workers[slot as usize].as_ref() else {
+                    continue;
+                };
+                let parent_ext = parent.map(|p| state.external_of(nodes, p));
+                if state.own_at.is_empty() {
+                    emit(key, parent_ext, &blocks);
+                } else {
+                    own.clear();
+                    own.extend(run.iter().zip(&blocks).map(|(&id, b)| {
+                        StoredBlock::new(state.external_of(nodes, id), b.tokens_hash)
+                    }));
+                    emit(key, parent_ext, &own);
+                }
             }
-            let last = Some(ExternalHash(self.nodes[cur as usize].external));
             if !reach.is_empty() {
                 for c in children(cur) {
-                    queue.push_back((c, last, reach.clone()));
+                    queue.push_back((c, Some(cur), reach.clone()));
                 }
             }
         }
@@ -1085,6 +1155,9 @@ mod tests {
                     assert_ne!(self.nodes[id as usize].external, ext.0);
                     assert_eq!(state.get(&self.nodes, ext), Some(id));
                 }
+                for (&id, &ext) in &state.own_at {
+                    assert_eq!(state.foreign.get(&ext), Some(&id));
+                }
             }
         }
     }
@@ -1214,6 +1287,69 @@ mod tests {
         assert_eq!(out.score(w), 2);
         assert_eq!(idx.stats().nodes, 2);
         assert!(idx.remove_worker_key(w));
+        assert_eq!(idx.stats(), PrefixIndexStats::default());
+    }
+
+    #[test]
+    fn workers_hashing_the_same_tokens_differently_keep_their_own_hashes() {
+        // vLLM without a fixed hash seed: same tokens, different engine hashes per worker.
+        let mut idx = PrefixIndex::new();
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        idx.apply_stored(a, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        idx.apply_stored(b, None, &blocks(&[(1, 21), (2, 22)]));
+        idx.apply_stored(b, Some(ExternalHash(22)), &blocks(&[(3, 23), (4, 24)]));
+        idx.check_invariants();
+        assert_eq!(idx.stats().nodes, 4, "the tokens share nodes");
+        let mut out = OverlapScores::new();
+        idx.find_matches(&q(&[1, 2, 3, 4]), &mut out);
+        let last =
+            |out: &OverlapScores, w| out.entry(w).map(|e| (e.matched_blocks, e.last_external.0));
+        assert_eq!(last(&out, a), Some((3, 13)));
+        assert_eq!(last(&out, b), Some((4, 24)));
+        idx.find_matches(&q(&[1, 2]), &mut out);
+        assert_eq!(last(&out, b), Some((2, 22)));
+
+        let mut chain = Vec::new();
+        idx.root_chain(&q(&[1, 2, 3]), 3, Some(b), &mut chain);
+        assert_eq!(chain, [21, 22, 23].map(ExternalHash));
+        idx.root_chain(&q(&[1, 2, 3]), 3, None, &mut chain);
+        assert_eq!(chain, [11, 12, 13].map(ExternalHash));
+
+        // The dump names each worker's blocks and parents by its own hashes, so a replay
+        // restores both maps: b's later removal by its own hash then works on the copy.
+        let mut runs = Vec::new();
+        idx.for_each_run(|w, parent, blocks| {
+            let hashes: Vec<u64> = blocks.iter().map(|b| b.block_hash.0).collect();
+            runs.push((w, parent.map(|p| p.0), hashes));
+        });
+        assert_eq!(
+            runs,
+            [
+                (a, None, vec![11, 12, 13]),
+                (b, None, vec![21, 22, 23]),
+                (b, Some(23), vec![24]),
+            ]
+        );
+        let mut copy = PrefixIndex::new();
+        idx.for_each_run(|w, parent, blocks| {
+            assert_eq!(copy.apply_stored(w, parent, blocks), StoreOutcome::Applied);
+        });
+        copy.check_invariants();
+        for index in [&mut idx, &mut copy] {
+            let removed = index.apply_removed(b, &[ExternalHash(22)]);
+            assert_eq!((removed.removed, removed.not_found), (1, 0));
+            index.find_matches(&q(&[1, 2, 3, 4]), &mut out);
+            assert_eq!((out.score(a), out.score(b)), (3, 1));
+            assert_eq!(last(&out, b), Some((1, 21)));
+            index.check_invariants();
+        }
+
+        // Storing a block again under the node's own hash names it by that one.
+        idx.apply_stored(b, Some(ExternalHash(21)), &blocks(&[(2, 12)]));
+        idx.check_invariants();
+        idx.find_matches(&q(&[1, 2]), &mut out);
+        assert_eq!(last(&out, b), Some((2, 12)));
+        assert!(idx.remove_worker_key(b) && idx.remove_worker_key(a));
         assert_eq!(idx.stats(), PrefixIndexStats::default());
     }
 

@@ -1031,22 +1031,13 @@ impl SelectionCore {
         let target_type = hint_type(workers.get(&chosen.worker_id.0)?)?;
         let index = partition.index.read();
         let beat = scratch.hits.of(&workers, chosen).cpu();
-        // Owners whose prefix runs past the root-aligned chain cannot be named by it
-        // (§4.8 step 1 keeps only entries up to the chain's length).
-        let mut chain = Vec::new();
-        index.root_chain(&scratch.blocks, scratch.blocks.len(), &mut chain);
-        let reach = u32::try_from(chain.len()).unwrap_or(u32::MAX);
-        // Rows are in key order, so a strictly longer prefix is needed to replace the best:
-        // ties go to the smallest (worker, rank).
-        let mut best: Option<(u32, &str)> = None;
+        // Eligible sources with a longer prefix, best first: rows are in key order and the
+        // sort is stable, so ties keep the smaller (worker, rank) first.
+        let mut sources: Vec<(u32, WorkerKey, &str)> = Vec::new();
         for row in workers.rows() {
             let h = scratch.hits.of(&workers, row.key);
             let prefix = h.cpu();
-            if h.worker == chosen
-                || prefix <= beat
-                || prefix > reach
-                || best.is_some_and(|(p, _)| prefix <= p)
-            {
+            if h.worker == chosen || prefix <= beat {
                 continue;
             }
             let Some(w) = workers.get(&h.worker.worker_id.0) else {
@@ -1065,13 +1056,18 @@ impl SelectionCore {
             else {
                 continue;
             };
-            best = Some((prefix, endpoint.as_str()));
+            sources.push((prefix, h.worker, endpoint.as_str()));
         }
-        let (prefix, endpoint) = best?;
+        sources.sort_by_key(|&(prefix, _, _)| std::cmp::Reverse(prefix));
+        // A source whose prefix runs past the root-aligned chain cannot be named by it
+        // (§4.8 step 1 keeps only entries up to the chain's length). The chain is read in
+        // the source's own hashes, which are everyone's when engines agree on them.
+        let mut chain = Vec::new();
+        let (prefix, endpoint) = sources.into_iter().find_map(|(prefix, key, endpoint)| {
+            index.root_chain(&scratch.blocks, scratch.blocks.len(), Some(key), &mut chain);
+            (prefix as usize <= chain.len()).then_some((prefix, endpoint))
+        })?;
         chain.truncate(prefix as usize);
-        if chain.is_empty() {
-            return None;
-        }
         Some(crate::KvHint {
             message_id: id.to_owned(),
             source_control_endpoint: endpoint.to_owned(),

@@ -171,6 +171,25 @@ fn case_t_host_tier_continues_the_device_prefix() {
 }
 
 #[test]
+fn lower_tiers_continue_from_each_workers_own_device_hash() {
+    // Two engines hashing the same tokens differently share the device nodes; each one's
+    // host and disk blocks chain under its own hashes (indexing §4.4 step 1 anchors on the
+    // worker's last matched hash), so both are credited (beyond-reference #8).
+    let mut idx = KvIndex::with_block_size(16);
+    let (a, b) = (w(1, 0), w(2, 0));
+    idx.apply(&stored(a, DEV, None, &[(1, 11), (2, 12)]));
+    idx.apply(&stored(b, DEV, None, &[(1, 21)]));
+    idx.apply(&stored(b, StorageTier::HostPinned, Some(21), &[(2, 22)]));
+    idx.apply(&stored(b, StorageTier::Disk, Some(22), &[(3, 23)]));
+    idx.apply(&stored(a, StorageTier::HostPinned, Some(12), &[(3, 13)]));
+    let mut t = TieredMatches::new();
+    idx.find_tiered(&q(&[1, 2, 3, 4]), &mut t);
+    let tiers = |h: &kv_index::TierHits| (h.device, h.host_pinned, h.disk);
+    assert_eq!(tiers(t.get(a).unwrap()), (2, 1, 0));
+    assert_eq!(tiers(t.get(b).unwrap()), (1, 1, 1));
+}
+
+#[test]
 fn duplicate_store_is_a_warning_and_empty_store_a_no_op() {
     let mut idx = state_a();
     assert_eq!(

@@ -11,13 +11,13 @@ use proptest::prelude::*;
 use crate::support::{cleared, q, removed, stored, w};
 
 /// Per worker key: external hash → path of local hashes, and the owned paths.
-#[derive(Default, Debug)]
+#[derive(Clone, Default, Debug)]
 struct ModelWorker {
     map: HashMap<u64, Vec<u64>>,
     owned: BTreeSet<Vec<u64>>,
 }
 
-#[derive(Default, Debug)]
+#[derive(Clone, Default, Debug)]
 struct Model {
     workers: BTreeMap<WorkerKey, ModelWorker>,
 }
@@ -58,6 +58,20 @@ impl Model {
                 }
             }
         }
+    }
+
+    /// What a dump keeps (indexing §9.1): only blocks a worker reaches from the root.
+    fn reachable(&self) -> Model {
+        let mut out = self.clone();
+        for mw in out.workers.values_mut() {
+            let owned = mw.owned.clone();
+            mw.owned
+                .retain(|p| (1..p.len()).all(|end| owned.contains(&p[..end])));
+            let ModelWorker { map, owned } = mw;
+            map.retain(|_, p| owned.contains(p));
+        }
+        out.workers.retain(|_, mw| !mw.owned.is_empty());
+        out
     }
 
     fn scores(&self, query: &[u64]) -> BTreeMap<WorkerKey, u32> {
@@ -156,9 +170,52 @@ fn chain_hash(path: &[u64]) -> u64 {
     })
 }
 
-/// Applies `op` to both; `consistent` derives external hashes from paths, otherwise they
-/// come from a tiny range so engines "reuse" hashes (aliasing) as a stress case.
-fn apply(model: &mut Model, idx: &mut KvIndex, op: &Op, consistent: bool) {
+/// How the engines of a test name blocks.
+#[derive(Clone, Copy, Debug)]
+enum Hashes {
+    /// One hash chain for one token chain on every worker (the engine hash invariant).
+    Shared,
+    /// Each worker's own chain for the same tokens (vLLM without a fixed hash seed).
+    PerWorker,
+    /// A tiny range, so engines "reuse" hashes at other positions (aliasing): a stress case.
+    Aliasing,
+}
+
+impl Hashes {
+    fn any() -> impl Strategy<Value = Hashes> {
+        prop_oneof![
+            Just(Hashes::Shared),
+            Just(Hashes::PerWorker),
+            Just(Hashes::Aliasing)
+        ]
+    }
+
+    /// The hash `worker` stores `path` under, when that is a function of the path.
+    fn of(self, worker: WorkerKey, path: &[u64]) -> Option<u64> {
+        match self {
+            Hashes::Shared => Some(chain_hash(path)),
+            Hashes::PerWorker => {
+                let seed = (worker.worker_id.0 * 2 + u64::from(worker.dp_rank.0) + 1) << 56;
+                Some(chain_hash(path) ^ seed)
+            }
+            Hashes::Aliasing => None,
+        }
+    }
+}
+
+/// Checks every match's `last_external` against the hash its worker stored that block
+/// under, where hashes are a function of the path.
+fn check_last_external(out: &OverlapScores, query: &[u64], hashes: Hashes) {
+    for e in out.entries() {
+        let path = &query[..e.matched_blocks as usize];
+        if let Some(expected) = hashes.of(e.worker, path) {
+            assert_eq!(e.last_external.0, expected, "{:?} on {query:?}", e.worker);
+        }
+    }
+}
+
+/// Applies `op` to both, naming blocks as `hashes` says.
+fn apply(model: &mut Model, idx: &mut KvIndex, op: &Op, hashes: Hashes) {
     match op {
         Op::Stored(wi, parent_sel, blocks) => {
             let worker = worker_of(*wi);
@@ -169,11 +226,7 @@ fn apply(model: &mut Model, idx: &mut KvIndex, op: &Op, consistent: bool) {
                 .map(|&(l, e)| {
                     let l = u64::from(l);
                     path.push(l);
-                    let e = if consistent {
-                        chain_hash(&path)
-                    } else {
-                        u64::from(e % 8)
-                    };
+                    let e = hashes.of(worker, &path).unwrap_or(u64::from(e % 8));
                     (l, e)
                 })
                 .collect();
@@ -344,16 +397,17 @@ proptest! {
     fn index_matches_model(
         ops in prop::collection::vec(op_strategy(), 1..60),
         queries in prop::collection::vec(prop::collection::vec(0u8..3, 0..6), 1..8),
-        consistent in any::<bool>(),
+        hashes in Hashes::any(),
     ) {
         let mut model = Model::default();
         let mut idx = KvIndex::with_block_size(4);
         let mut out = OverlapScores::new();
         for (i, op) in ops.iter().enumerate() {
-            apply(&mut model, &mut idx, op, consistent);
+            apply(&mut model, &mut idx, op, hashes);
             if i % 4 == 3 || i + 1 == ops.len() {
                 for query in queries_of(&model, &queries) {
                     prop_assert_eq!(index_scores(&idx, &query, &mut out), model.scores(&query), "query {:?}", query);
+                    check_last_external(&out, &query, hashes);
                 }
             }
         }
@@ -369,21 +423,26 @@ proptest! {
         ops in prop::collection::vec(op_strategy(), 1..60),
         lower in prop::collection::vec((0u8..3, any::<u8>(), prop::option::of(0u8..4), prop::collection::vec(0u8..3, 1..4)), 0..12),
         queries in prop::collection::vec(prop::collection::vec(0u8..3, 0..6), 1..8),
+        per_worker in any::<bool>(),
+        later in prop::collection::vec(op_strategy(), 0..12),
     ) {
+        let hashes = if per_worker { Hashes::PerWorker } else { Hashes::Shared };
         let mut model = Model::default();
         let mut idx = KvIndex::with_block_size(16);
         for op in &ops {
-            apply(&mut model, &mut idx, op, true);
+            apply(&mut model, &mut idx, op, hashes);
         }
         for (tier, wi, parent, locals) in &lower {
             let tier = StorageTier::LOWER[usize::from(*tier)];
+            let worker = worker_of(*wi);
+            let hash = |path: &[u64]| hashes.of(worker, path).unwrap_or_default();
             let mut path: Vec<u64> = parent.map(|p| vec![u64::from(p)]).unwrap_or_default();
-            let parent = parent.map(|_| chain_hash(&path));
+            let parent = parent.map(|_| hash(&path));
             let pairs: Vec<(u64, u64)> = locals.iter().map(|&l| {
                 path.push(u64::from(l));
-                (u64::from(l), chain_hash(&path))
+                (u64::from(l), hash(&path))
             }).collect();
-            idx.apply(&stored(worker_of(*wi), tier, parent, &pairs));
+            idx.apply(&stored(worker, tier, parent, &pairs));
         }
         let mut dump = Dump::new();
         dump.insert("m:default".to_owned(), PartitionDump::Snapshot { block_size: 16, events: idx.snapshot_operations() });
@@ -396,7 +455,7 @@ proptest! {
         let copy = SharedKvIndex::new(KvIndex::with_block_size(*block_size));
         let report = copy.restore(events);
         prop_assert_eq!(report.parent_block_not_found, 0);
-        let copy = copy.into_inner();
+        let mut copy = copy.into_inner();
         let (mut a, mut b) = (TieredMatches::new(), TieredMatches::new());
         for query in queries_of(&model, &queries) {
             idx.find_tiered(&q(&query), &mut a);
@@ -411,12 +470,28 @@ proptest! {
             ea.sort_by_key(|e| e.worker);
             eb.sort_by_key(|e| e.worker);
             prop_assert_eq!(ea, eb, "query {:?}", query);
+            check_last_external(a.device(), &query, hashes);
         }
         // One dump/restore normalizes the tree (ownerless nodes kept alive only by stale
         // hash references vanish); after that dumping is a fixed point.
         let again = SharedKvIndex::new(KvIndex::with_block_size(16));
         again.restore(&copy.snapshot_operations());
         prop_assert_eq!(again.snapshot_operations(), copy.snapshot_operations());
+        // The copy keeps each worker's own hashes: later events (removals by those hashes,
+        // stores under them as parents) apply to it as to the original.
+        let mut copy_model = model.reachable();
+        for op in &later {
+            apply(&mut model, &mut idx, op, hashes);
+            apply(&mut copy_model, &mut copy, op, hashes);
+        }
+        let mut out = OverlapScores::new();
+        // (Blocks the dump left out as unreachable stay out of the copy even when a later
+        // store fills the gap above them, hence its own model.)
+        for query in queries_of(&model, &queries) {
+            prop_assert_eq!(index_scores(&copy, &query, &mut out), copy_model.scores(&query), "copy, query {:?}", query);
+            check_last_external(&out, &query, hashes);
+            prop_assert_eq!(index_scores(&idx, &query, &mut out), model.scores(&query), "query {:?}", query);
+        }
     }
 
     #[test]

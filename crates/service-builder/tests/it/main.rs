@@ -1941,6 +1941,17 @@ fn bookings_carry_a_kv_hint_to_a_longer_cached_prefix() {
 
 #[test]
 fn kv_hint_chains_continue_through_host_pinned_blocks() {
+    kv_hint_through_host_pinned_blocks(false);
+}
+
+#[test]
+fn kv_hints_name_blocks_by_the_sources_own_engine_hashes() {
+    // The target stored the first blocks first, under other engine hashes (vLLM without a
+    // fixed hash seed): the tree's nodes carry its hashes, the hint must carry worker 2's.
+    kv_hint_through_host_pinned_blocks(true);
+}
+
+fn kv_hint_through_host_pinned_blocks(target_stored_first: bool) {
     let c = core(CoreConfig {
         rng_seed: Some(5),
         ..CoreConfig::default()
@@ -1949,6 +1960,9 @@ fn kv_hint_chains_continue_through_host_pinned_blocks() {
     c.upsert_worker(hint_worker(2, Some("tcp://10.0.0.2:5600"), None))
         .unwrap();
     let prompt: Vec<u32> = (0..32).collect();
+    if target_stored_first {
+        store(&c, 1, &prompt[..BLOCK as usize], 600);
+    }
     // Worker 2: blocks 0..2 on the GPU, 2..6 offloaded to host memory after them.
     let device = store(&c, 2, &prompt[..2 * BLOCK as usize], 700);
     let mut hashes = Vec::new();
