@@ -134,6 +134,10 @@ pub(crate) struct Partition {
     next_expiry_check: Mutex<Instant>,
     /// The admission queue, when a busy threshold enables queueing.
     pub(crate) queue: Option<PartitionQueue>,
+    /// Created by startup recovery and not yet joined by a worker: the first worker (or
+    /// `ensure_partition`) sets the block size and Eagle flag, keeping the recovered index
+    /// (replica-sync §9.2).
+    adoptable: AtomicBool,
 }
 
 /// How often the booking path re-runs the expiry scan (the periodic task runs regardless).
@@ -653,19 +657,51 @@ impl SelectionCore {
         )
     }
 
+    /// The partition `key` for a worker (or an embedding host) with this block size and
+    /// Eagle flag, created if missing. A partition only recovery has created so far takes
+    /// them over, keeping its index (replica-sync §9.2: the mismatch is only logged).
     fn partition_or_create(
         &self,
         key: PartitionKey,
         block_size: u32,
         is_eagle: bool,
     ) -> Result<Arc<Partition>, String> {
-        if let Some(p) = self.state.read().partitions.get(&key) {
+        if let Some(p) = self.state.read().partitions.get(&key)
+            && !p.adoptable.load(Ordering::Acquire)
+        {
             return check_partition(p, block_size, is_eagle).map(|()| Arc::clone(p));
         }
         let mut state = self.state.write();
         if let Some(p) = state.partitions.get(&key) {
-            return check_partition(p, block_size, is_eagle).map(|()| Arc::clone(p));
+            let adoptable = p.adoptable.swap(false, Ordering::AcqRel);
+            let fits = check_partition(p, block_size, is_eagle);
+            if !adoptable || fits.is_ok() {
+                return fits.map(|()| Arc::clone(p));
+            }
+            tracing::warn!(
+                partition = %key,
+                recovered_block_size = p.block_size,
+                block_size,
+                is_eagle,
+                "the first worker of a recovered partition registers another block size or \
+                 Eagle flag; the partition takes them and keeps the recovered index, whose \
+                 blocks were hashed differently and will not match new prompts"
+            );
+            let adopted = Arc::new(self.new_partition(key.clone(), block_size, is_eagle));
+            let index = std::mem::replace(
+                &mut *p.index.write(),
+                KvIndex::with_block_size(p.block_size),
+            );
+            *adopted.index.write() = index;
+            state.partitions.insert(key, Arc::clone(&adopted));
+            return Ok(adopted);
         }
+        let p = Arc::new(self.new_partition(key.clone(), block_size, is_eagle));
+        state.partitions.insert(key, Arc::clone(&p));
+        Ok(p)
+    }
+
+    fn new_partition(&self, key: PartitionKey, block_size: u32, is_eagle: bool) -> Partition {
         let router = &self.config.router;
         let policy = match &self.policy_factory {
             Some(f) => f(router, &key),
@@ -677,8 +713,8 @@ impl SelectionCore {
         let mut icfg = index_config(router);
         icfg.block_size = block_size;
         let index = KvIndex::new(&icfg, Instant::now());
-        let p = Arc::new(Partition {
-            key: key.clone(),
+        Partition {
+            key,
             block_size,
             is_eagle,
             records_decisions: records_decisions(&index),
@@ -696,9 +732,8 @@ impl SelectionCore {
                 .config
                 .session_affinity_ttl
                 .map(|ttl| SessionTable::new(ttl, self.config.replica_id, clock_seed())),
-        });
-        state.partitions.insert(key, Arc::clone(&p));
-        Ok(p)
+            adoptable: AtomicBool::new(false),
+        }
     }
 
     /// Republishes the schedulable worker map of a partition after worker `changed` was
@@ -2197,8 +2232,9 @@ impl SelectionCore {
     }
 
     /// Startup recovery: applies a peer's `/dump` body. Partitions are created with the
-    /// dumped block size (a later worker with another size becomes incomplete, as for any
-    /// mismatch). Returns the number of operations applied.
+    /// dumped block size; the first worker to join one sets its block size and Eagle flag
+    /// and keeps the recovered index (a mismatch is logged). Returns the number of
+    /// operations applied.
     ///
     /// The peer fails (`Err`, the caller tries the next) as replica-sync §9.2 says: a body
     /// with an `{"error": ...}` entry before anything is applied; a key without `:` when
@@ -2233,16 +2269,43 @@ impl SelectionCore {
         Ok(applied)
     }
 
-    /// Applies recovered operations (from a peer's `/dump`) to a partition, creating it.
+    /// Applies recovered operations (from a peer's `/dump`) to a partition. A missing
+    /// partition is created with the dump's block size until its first worker says
+    /// otherwise; an existing one is used whatever its block size (logged), as
+    /// replica-sync §9.2 says.
     pub fn restore_partition(
         &self,
         key: PartitionKey,
         block_size: u32,
         ops: &[KvOperation],
     ) -> Result<(), SelectionError> {
-        let p = self
-            .partition_or_create(key, block_size, false)
-            .map_err(SelectionError::bad_request)?;
+        if block_size == 0 {
+            return Err(SelectionError::bad_request(format!(
+                "invalid snapshot: partition {key} has block_size 0"
+            )));
+        }
+        let p = {
+            let mut state = self.state.write();
+            match state.partitions.get(&key) {
+                Some(p) => {
+                    if p.block_size != block_size {
+                        tracing::warn!(
+                            partition = %key,
+                            block_size = p.block_size,
+                            dump_block_size = block_size,
+                            "recovering into an existing partition with another block size"
+                        );
+                    }
+                    Arc::clone(p)
+                }
+                None => {
+                    let p = Arc::new(self.new_partition(key.clone(), block_size, false));
+                    p.adoptable.store(true, Ordering::Release);
+                    state.partitions.insert(key, Arc::clone(&p));
+                    p
+                }
+            }
+        };
         let mut index = p.index.write();
         for op in ops {
             index.apply(op);

@@ -669,6 +669,73 @@ fn recovery_applies_dumps_by_the_peer_rules() {
     c.shutdown();
 }
 
+/// replica-sync §9.2: a partition recovery created takes the block size and Eagle flag of
+/// the first worker that joins it and keeps the recovered index (the mismatch is only
+/// logged); later workers are checked against it as usual. Recovering into an existing
+/// partition with another block size applies to it.
+#[test]
+fn recovered_partitions_take_the_first_workers_block_size() {
+    let dump = |block_size: u32, hash: u64| {
+        format!(
+            r#"{{"m:default":{{"block_size":{block_size},"events":[{{"worker_id":1,"event":{{"event_id":0,"data":{{"stored":{{"parent_hash":null,"start_position":null,"blocks":[{{"block_hash":{hash},"tokens_hash":{hash},"mm_extra_info":null}}]}}}}}}}}]}}}}"#
+        )
+    };
+    let joining = |id: u64, block_size: u32, is_eagle: bool| WorkerRequest {
+        model_name: "m".into(),
+        block_size: Some(block_size),
+        is_eagle: Some(is_eagle),
+        kv_events_endpoint: Some(format!("tcp://127.0.0.1:{}", free_port())),
+        ..worker(id)
+    };
+    let partition = |c: &SelectionCore| {
+        let snapshot = c.index_snapshot();
+        assert_eq!(snapshot.len(), 1);
+        let (key, block_size, events) = &snapshot[0];
+        assert_eq!(key.to_string(), "model=m routing_group=default");
+        (*block_size, events.len())
+    };
+
+    let c = core(CoreConfig::default());
+    assert_eq!(c.restore_from_dump(dump(16, 7).as_bytes()).unwrap(), 1);
+    // A second peer with another block size for the same partition applies on top.
+    assert_eq!(c.restore_from_dump(dump(8, 9).as_bytes()).unwrap(), 1);
+    assert_eq!(partition(&c), (16, 2));
+    let first = c.upsert_worker(joining(2, BLOCK, true)).unwrap();
+    assert_eq!(first.lifecycle, Lifecycle::Schedulable, "{first:?}");
+    assert_eq!(partition(&c), (BLOCK, 2), "the recovered index is kept");
+    // Adopted once: the next worker must match the first.
+    let second = c.upsert_worker(joining(3, 16, true)).unwrap();
+    assert_eq!(second.lifecycle, Lifecycle::Incomplete);
+    assert!(
+        second.not_schedulable_reasons[0].contains("block_size mismatch"),
+        "{second:?}"
+    );
+    assert_eq!(
+        c.upsert_worker(joining(4, BLOCK, true)).unwrap().lifecycle,
+        Lifecycle::Schedulable
+    );
+    c.shutdown();
+
+    // A first worker with the dump's block size joins without a change.
+    let c = core(CoreConfig::default());
+    c.restore_from_dump(dump(BLOCK, 7).as_bytes()).unwrap();
+    let first = c.upsert_worker(joining(2, BLOCK, false)).unwrap();
+    assert_eq!(first.lifecycle, Lifecycle::Schedulable);
+    assert_eq!(partition(&c), (BLOCK, 1));
+    c.shutdown();
+
+    // A block size of 0 fails the peer, from a dump or given directly.
+    let c = core(CoreConfig::default());
+    let e = c.restore_from_dump(dump(0, 7).as_bytes()).unwrap_err();
+    assert!(e.message().contains("at least 1"), "{}", e.message());
+    let e = c
+        .restore_partition(PartitionKey::new("m", "default"), 0, &[])
+        .unwrap_err();
+    assert!(e.message().contains("block_size 0"), "{}", e.message());
+    assert!(c.index_snapshot().is_empty());
+    c.shutdown();
+}
+
 // ------------------------------------------------------------ session affinity
 
 fn affinity_core() -> Arc<SelectionCore> {
