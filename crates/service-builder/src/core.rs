@@ -2028,6 +2028,15 @@ impl SelectionCore {
         expired
     }
 
+    /// Whether the catalog has `worker_id` registered in `partition`, in any lifecycle.
+    pub(crate) fn catalog_places(&self, worker_id: u64, partition: &PartitionKey) -> bool {
+        self.state
+            .read()
+            .records
+            .get(&worker_id)
+            .is_some_and(|r| r.worker.is_in(partition))
+    }
+
     /// Applies a session binding learned from a replica peer (newer versions win).
     /// Returns false when the partition has no session table or the binding is older.
     pub fn apply_remote_binding(&self, partition: &PartitionKey, update: &BindingUpdate) -> bool {

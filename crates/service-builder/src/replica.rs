@@ -31,11 +31,13 @@ pub struct ReplicaApplyStats {
     pub not_live: AtomicU64,
     pub affinity_disabled: AtomicU64,
     pub stale_binding: AtomicU64,
+    /// A binding whose session id is over the 256-byte limit.
+    pub invalid_session: AtomicU64,
 }
 
 impl ReplicaApplyStats {
     /// `(reason, count)` rows of dropped events.
-    pub fn dropped_rows(&self) -> [(&'static str, u64); 7] {
+    pub fn dropped_rows(&self) -> [(&'static str, u64); 8] {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         [
             ("unknown_partition", g(&self.unknown_partition)),
@@ -45,6 +47,7 @@ impl ReplicaApplyStats {
             ("not_live", g(&self.not_live)),
             ("affinity_disabled", g(&self.affinity_disabled)),
             ("stale_binding", g(&self.stale_binding)),
+            ("invalid_session", g(&self.invalid_session)),
         ]
     }
 }
@@ -213,17 +216,22 @@ impl SelectionCore {
                 let Some(p) = self.partition(&key) else {
                     return count(&stats.unknown_partition);
                 };
-                if p.sessions().is_none() {
+                let Some(table) = p.sessions() else {
                     return count(&stats.affinity_disabled);
-                }
+                };
+                // §7.3 step 3 comes before the checks that may drop the event.
+                table.observe_sequence(b.sequence);
                 let target = SessionTarget {
                     worker_id: b.worker_id.0,
                     dp_rank: b.dp_rank.map(|r| r.0),
                 };
-                if !p.schedules(target.worker_id, target.dp_rank)
-                    || b.session_id.len() > crate::session::MAX_SESSION_ID_BYTES
-                {
+                // Step 4: the worker is in the catalog and in this partition, whatever its
+                // lifecycle (a selection checks the target is schedulable before using it).
+                if !self.catalog_places(target.worker_id, &key) {
                     return count(&stats.unknown_worker);
+                }
+                if b.session_id.len() > crate::session::MAX_SESSION_ID_BYTES {
+                    return count(&stats.invalid_session);
                 }
                 let update = BindingUpdate {
                     session_id: b.session_id,

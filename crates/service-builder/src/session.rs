@@ -270,6 +270,13 @@ impl SessionTable {
         })
     }
 
+    /// Raises the version counter past a peer's `sequence` (replica-sync §7.3 step 3), so
+    /// this replica's next binding wins over everything it has seen.
+    pub(crate) fn observe_sequence(&self, sequence: u64) {
+        let mut t = self.entries.lock();
+        t.sequence = t.sequence.max(sequence.saturating_add(1));
+    }
+
     /// Applies a peer's binding (replica-sync §7.3 step 6): inserted when absent; ignored
     /// while a local request initializes the session; replacing an idle-expired binding;
     /// refreshing one to the same target at an equal or newer version; replacing one to
@@ -398,6 +405,16 @@ mod tests {
             ..update(1, (50, 9))
         };
         assert!(!t.apply_remote(&x, now));
+    }
+
+    #[test]
+    fn a_seen_sequence_orders_the_next_local_binding_after_it() {
+        let t = SessionTable::new(Duration::from_secs(10), 0, 1);
+        let now = Instant::now();
+        t.observe_sequence(41);
+        t.observe_sequence(7);
+        assert_eq!(t.hold("s", now, Wait::No), Hold::Init);
+        assert_eq!(t.commit_init("s", target(7, None), now).version.0, 43);
     }
 
     #[test]

@@ -752,6 +752,57 @@ fn with_session(sid: &str, n: u32) -> SelectRequest {
     }
 }
 
+/// replica-sync §7.3 step 4: a peer's binding needs its worker in the local catalog and in
+/// the partition, whatever the worker's lifecycle; an over-long session id is its own drop.
+#[test]
+fn peer_bindings_need_a_catalog_worker_of_the_partition() {
+    use replica_sync::{ReplicaEvent, RouterId, SessionBinding};
+    let c = affinity_core();
+    for id in 1..=2 {
+        c.upsert_worker(worker(id)).unwrap();
+    }
+    // Registered but not schedulable (no endpoint), and one in another model.
+    let incomplete = c.upsert_worker(WorkerRequest::new(3)).unwrap();
+    assert_eq!(incomplete.lifecycle, Lifecycle::Incomplete);
+    c.upsert_worker(WorkerRequest {
+        model_name: "other".into(),
+        ..worker(4)
+    })
+    .unwrap();
+    let binding = |session: &str, worker_id: u64| {
+        ReplicaEvent::Binding(SessionBinding {
+            model_name: PartitionKey::default().model_name,
+            routing_group: PartitionKey::default().routing_group,
+            session_id: session.to_owned(),
+            worker_id: kv_types::WorkerId(worker_id),
+            dp_rank: None,
+            sequence: 5,
+            writer_id: RouterId(77),
+        })
+    };
+    let dropped = |c: &SelectionCore, reason: &str| {
+        c.replica_stats()
+            .dropped_rows()
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map(|(_, n)| *n)
+    };
+    c.apply_replica_event(binding("s3", 3));
+    assert_eq!(c.session_count(), 1, "bound to the incomplete worker");
+    for (session, worker_id) in [("s4", 4), ("s9", 99)] {
+        c.apply_replica_event(binding(session, worker_id));
+    }
+    assert_eq!(dropped(&c, "unknown_worker"), Some(2));
+    c.apply_replica_event(binding(&"x".repeat(257), 1));
+    assert_eq!(dropped(&c, "invalid_session"), Some(1));
+    assert_eq!(c.session_count(), 1);
+    // A binding to a worker that cannot serve steers nothing: the session is served by a
+    // schedulable worker.
+    let chosen = c.select(with_session("s3", 8)).unwrap().worker_id;
+    assert!([1, 2].contains(&chosen), "{chosen}");
+    c.shutdown();
+}
+
 #[test]
 fn a_booked_session_sticks_to_its_worker() {
     let c = affinity_core();
