@@ -498,6 +498,32 @@ fn watch_connection(
     }
 }
 
+/// Stops `sub`'s monitor, then closes `monitor`, the PAIR reading it.
+///
+/// libzmq sends monitor events with a blocking send, from whichever thread raised them
+/// (usually the context's I/O thread), and stops a closed socket's monitor only when its
+/// reaper destroys the socket. A reconnect timer firing in between, with the reader gone,
+/// blocked that I/O thread for good, and with it every listener of the context (seen: a
+/// publisher that never got its subscriber after a worker with an unreachable endpoint
+/// was re-registered). Re-monitoring with no events closes the real monitor socket
+/// (libzmq stops a previous monitor first) and installs one that never sends. Draining
+/// the reader first frees a full pipe, so libzmq is not inside a blocked send, holding
+/// the monitor lock, when it is asked to stop.
+fn silence_monitor(sub: &zmq::Socket, monitor: zmq::Socket) {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    while recv_frames(&monitor).is_ok_and(|m| m.is_some()) {}
+    let mute = format!(
+        "inproc://kv-events-monitor-off-{}",
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    if let Err(e) = sub.monitor(&mute, 0) {
+        // The previous monitor is stopped before libzmq sets up the new one, so only the
+        // mute one is missing; nothing can block on it.
+        tracing::debug!(error = %e, "mute KV-event monitor not set up");
+    }
+    drop(monitor);
+}
+
 /// Applies one monitor event (`[event u16 LE, value u32 LE]`, then the address frame) to
 /// the listener's connection state.
 fn on_connection_event(stats: &ListenerStats, first: &[u8]) {
@@ -812,8 +838,7 @@ struct Worker {
     ctx: zmq::Context,
     config: ListenerConfig,
     sub: zmq::Socket,
-    /// The SUB's connection events (declared after it: closing the SUB first stops the
-    /// monitor cleanly).
+    /// The SUB's connection events. Silenced before it is closed (see `Drop`).
     monitor: Option<zmq::Socket>,
     dealer: Option<zmq::Socket>,
     /// Index in the group (its poller tokens).
@@ -832,6 +857,14 @@ struct Worker {
     ops: Vec<KvOperation>,
     drop_log: LogLimiter,
     stale_log: LogLimiter,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Some(monitor) = self.monitor.take() {
+            silence_monitor(&self.sub, monitor);
+        }
+    }
 }
 
 /// The payload frame of a live message (`[topic, seq, payload]`, checked when parsed).
@@ -1226,6 +1259,53 @@ impl Worker {
 mod tests {
     use super::{ListenerStats, on_connection_event};
     use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+
+    /// A SUB that keeps retrying a refused connect after its monitor's reader is gone must
+    /// not take the context's I/O thread down with it (the bug `silence_monitor` fixes:
+    /// without it this test's second pair never connects).
+    #[test]
+    fn a_silenced_monitor_leaves_the_io_thread_running() {
+        let ctx = zmq::Context::new();
+        let refused = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = refused.local_addr().unwrap().port();
+        drop(refused);
+        let sub = ctx.socket(zmq::SUB).unwrap();
+        sub.set_linger(0).unwrap();
+        sub.set_reconnect_ivl(5).unwrap();
+        let config = super::ListenerConfig::new(
+            kv_types::WorkerKey::new(1, 0),
+            format!("tcp://127.0.0.1:{port}"),
+            16,
+        );
+        let monitor = super::watch_connection(&ctx, &sub, &config).expect("monitor");
+        sub.connect(&config.endpoint).unwrap();
+        monitor.set_rcvtimeo(5_000).unwrap();
+        assert!(monitor.recv_bytes(0).is_ok(), "a retry is reported");
+        super::silence_monitor(&sub, monitor);
+        // Dozens of reconnect attempts with nobody reading the old monitor.
+        std::thread::sleep(Duration::from_millis(300));
+
+        let publisher = ctx.socket(zmq::PUB).unwrap();
+        publisher.set_linger(0).unwrap();
+        publisher.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+        let reader = ctx.socket(zmq::SUB).unwrap();
+        reader.set_linger(0).unwrap();
+        reader.set_subscribe(b"").unwrap();
+        reader.connect(&endpoint).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut received = false;
+        while !received && Instant::now() < deadline {
+            publisher.send("ping", 0).unwrap();
+            received = reader.poll(zmq::POLLIN, 50).unwrap() > 0;
+        }
+        if !received {
+            // A blocked I/O thread would hang the context's teardown: leak it instead.
+            std::mem::forget((sub, publisher, reader, ctx));
+            panic!("the context's I/O thread is blocked");
+        }
+    }
 
     fn event(e: zmq::SocketEvent) -> Vec<u8> {
         let mut frame = e.to_raw().to_le_bytes().to_vec();
