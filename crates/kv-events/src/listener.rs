@@ -478,12 +478,17 @@ fn watch_connection(
     let events = MONITORED
         .iter()
         .fold(0i32, |m, e| m | i32::from(e.to_raw()));
-    let pair = sub.monitor(&endpoint, events).and_then(|()| {
+    let attach = || {
         let pair = ctx.socket(zmq::PAIR)?;
         pair.set_linger(0)?;
         pair.connect(&endpoint)?;
         Ok(pair)
-    });
+    };
+    // A monitor nobody reads would block libzmq's I/O thread at its first event (see
+    // `silence_monitor`), so one whose reader cannot be set up is stopped again.
+    let pair = sub
+        .monitor(&endpoint, events)
+        .and_then(|()| attach().inspect_err(|_| mute_monitor(sub)));
     match pair {
         Ok(pair) => Some(pair),
         Err(e) => {
@@ -510,18 +515,23 @@ fn watch_connection(
 /// the reader first frees a full pipe, so libzmq is not inside a blocked send, holding
 /// the monitor lock, when it is asked to stop.
 fn silence_monitor(sub: &zmq::Socket, monitor: zmq::Socket) {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
     while recv_frames(&monitor).is_ok_and(|m| m.is_some()) {}
+    mute_monitor(sub);
+    drop(monitor);
+}
+
+/// Replaces `sub`'s monitor by one that reports no events (see [`silence_monitor`]).
+fn mute_monitor(sub: &zmq::Socket) {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let mute = format!(
         "inproc://kv-events-monitor-off-{}",
         NEXT.fetch_add(1, Ordering::Relaxed)
     );
     if let Err(e) = sub.monitor(&mute, 0) {
-        // The previous monitor is stopped before libzmq sets up the new one, so only the
-        // mute one is missing; nothing can block on it.
+        // libzmq stops the previous monitor before it sets up the new one, so only the
+        // mute one is missing (no socket left in the context, say); nothing blocks on it.
         tracing::debug!(error = %e, "mute KV-event monitor not set up");
     }
-    drop(monitor);
 }
 
 /// Applies one monitor event (`[event u16 LE, value u32 LE]`, then the address frame) to
