@@ -33,6 +33,11 @@
 //!   of the payload size (proptest over arbitrary bytes).
 //! - Dropping the mesh joins both threads within one 100 ms poll slice, closes the sockets
 //!   (linger 0) and terminates the ZMQ context, so its port is immediately bindable again.
+//! - libzmq reconnects to a peer silently for ever; a monitor on the SUB socket, read by the
+//!   receiver thread, turns its connection events into a [`PeerLink`] per configured peer
+//!   (connected, reconnect attempts, unreachable after [`UNREACHABLE_AFTER_RETRIES`]).
+//!   libzmq sends monitor events with a blocking send from its I/O thread, so the monitor is
+//!   stopped (re-monitored with no events) before the PAIR reading it is closed.
 //!
 //! # Design choices
 //! - The codec is hand-written rather than serde + `rmp-serde`: the layout is small and fixed,
@@ -68,5 +73,6 @@ pub use event::{
 };
 pub use mesh::{
     DEFAULT_BINDING_QUEUE_CAPACITY, DEFAULT_SEQUENCE_QUEUE_CAPACITY, MeshConfig, MeshError,
-    MeshStats, MeshStatsSnapshot, PeerError, PublishOutcome, ReplicaMesh, ReplicaSink,
+    MeshStats, MeshStatsSnapshot, PeerError, PeerLink, PublishOutcome, ReplicaMesh, ReplicaSink,
+    UNREACHABLE_AFTER_RETRIES,
 };

@@ -5,7 +5,7 @@
 //! to the publisher through a bounded channel and to the receiver (peer changes) through a
 //! command channel with a reply channel per request.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TrySendError};
@@ -33,6 +33,17 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 const QUEUE_FULL_LOG_PERIOD: Duration = Duration::from_secs(30);
 const RECV_DROP_LOG_PERIOD: Duration = Duration::from_secs(10);
 const UNAUTHENTICATED_LOG_PERIOD: Duration = Duration::from_secs(30);
+/// Reconnect attempts without a handshake after which a peer counts as unreachable (about
+/// 0.3 s when its port refuses connections, the reconnect interval being 100 ms).
+pub const UNREACHABLE_AFTER_RETRIES: u64 = 3;
+/// Connection events applied per receiver wake-up.
+const MONITOR_BURST: usize = 64;
+/// Connection events the receiver's monitor reports.
+const MONITORED: [zmq::SocketEvent; 3] = [
+    zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+    zmq::SocketEvent::DISCONNECTED,
+    zmq::SocketEvent::CONNECT_RETRIED,
+];
 
 /// Receives every accepted event, on the mesh's receiver thread.
 ///
@@ -156,6 +167,36 @@ pub enum PublishOutcome {
     Unencodable,
 }
 
+/// The connection to one configured peer, as the SUB socket's monitor reports it. libzmq
+/// reconnects silently for ever, so without this a mistyped peer is just a replica whose
+/// bookings never arrive.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerLink {
+    /// The peer's endpoint, as registered.
+    pub endpoint: String,
+    /// A ZMQ handshake with the peer completed and no disconnect came since.
+    pub connected: bool,
+    /// Reconnect attempts since the peer was registered.
+    pub connect_retries: u64,
+    /// Reconnect attempts since the last handshake (or the registration).
+    pub retries_since_connected: u64,
+}
+
+impl PeerLink {
+    fn new(endpoint: String) -> Self {
+        PeerLink {
+            endpoint,
+            ..PeerLink::default()
+        }
+    }
+
+    /// Not connected, and reconnecting without a handshake at least
+    /// [`UNREACHABLE_AFTER_RETRIES`] times.
+    pub fn unreachable(&self) -> bool {
+        !self.connected && self.retries_since_connected >= UNREACHABLE_AFTER_RETRIES
+    }
+}
+
 /// Monotonic counters; relaxed atomics, read by the metrics exporter.
 #[derive(Debug, Default)]
 pub struct MeshStats {
@@ -271,6 +312,8 @@ struct Shared {
     stop: AtomicBool,
     stats: Arc<MeshStats>,
     peers: Mutex<BTreeSet<String>>,
+    /// One entry per configured peer (kept in step with `peers` under its lock).
+    links: Mutex<BTreeMap<String, PeerLink>>,
     queued_sequence: AtomicUsize,
     queued_binding: AtomicUsize,
     sequence_capacity: usize,
@@ -349,12 +392,23 @@ impl ReplicaMesh {
                 .set_subscribe(SESSION_AFFINITY_TOPIC.as_bytes())
                 .map_err(socket_err("subscribe"))?;
         }
+        // Before the connects, so their first events are seen.
+        let monitor = watch_connections(&ctx, &subscriber);
         for peer in &initial {
-            connect(&subscriber, peer).map_err(|source| MeshError::Connect {
-                endpoint: peer.clone(),
-                source,
-            })?;
+            if let Err(source) = connect(&subscriber, peer) {
+                if let Some(monitor) = monitor {
+                    silence_monitor(&subscriber, monitor);
+                }
+                return Err(MeshError::Connect {
+                    endpoint: peer.clone(),
+                    source,
+                });
+            }
         }
+        let links = initial
+            .iter()
+            .map(|p| (p.clone(), PeerLink::new(p.clone())))
+            .collect();
 
         let shared = Arc::new(Shared {
             router_id: config.router_id.unwrap_or_else(RouterId::random),
@@ -362,6 +416,7 @@ impl ReplicaMesh {
             stop: AtomicBool::new(false),
             stats: Arc::new(MeshStats::default()),
             peers: Mutex::new(initial),
+            links: Mutex::new(links),
             queued_sequence: AtomicUsize::new(0),
             queued_binding: AtomicUsize::new(0),
             sequence_capacity: config.sequence_queue_capacity,
@@ -396,7 +451,9 @@ impl ReplicaMesh {
         let s = Arc::clone(&shared);
         let spawned = std::thread::Builder::new()
             .name("replica-sync-sub".to_owned())
-            .spawn(move || run_receiver(&s, &subscriber, &cmd_rx, sink.as_ref(), verifier));
+            .spawn(move || {
+                run_receiver(&s, &subscriber, monitor, &cmd_rx, sink.as_ref(), verifier);
+            });
         let receiver = match spawned {
             Ok(handle) => handle,
             Err(source) => {
@@ -526,6 +583,11 @@ impl ReplicaMesh {
         self.shared.peers.lock().iter().cloned().collect()
     }
 
+    /// The connection state of every configured peer, sorted by endpoint.
+    pub fn peer_links(&self) -> Vec<PeerLink> {
+        self.shared.links.lock().values().cloned().collect()
+    }
+
     /// Stops both threads, closes the sockets and terminates the ZMQ context. Idempotent.
     /// Events still queued are sent (non-blocking) before the publisher exits.
     pub fn shutdown(&self) {
@@ -623,6 +685,7 @@ fn run_publisher(
 fn run_receiver(
     shared: &Shared,
     socket: &zmq::Socket,
+    monitor: Option<zmq::Socket>,
     commands: &Receiver<Command>,
     sink: &dyn ReplicaSink,
     mut verifier: Option<MacVerifier>,
@@ -632,15 +695,34 @@ fn run_receiver(
         while let Ok(cmd) = commands.try_recv() {
             handle_command(shared, socket, cmd);
         }
-        match socket.poll(zmq::POLLIN, POLL_MS) {
-            Ok(0) | Err(zmq::Error::EINTR) => continue,
-            Ok(_) => {}
+        let polled = match &monitor {
+            Some(m) => {
+                let mut items = [
+                    socket.as_poll_item(zmq::POLLIN),
+                    m.as_poll_item(zmq::POLLIN),
+                ];
+                zmq::poll(&mut items, POLL_MS)
+                    .map(|_| (items[0].is_readable(), items[1].is_readable()))
+            }
+            None => socket.poll(zmq::POLLIN, POLL_MS).map(|n| (n > 0, false)),
+        };
+        let messages = match polled {
+            Ok((messages, events)) => {
+                if let (true, Some(monitor)) = (events, &monitor) {
+                    read_connection_events(shared, monitor);
+                }
+                messages
+            }
+            Err(zmq::Error::EINTR) => false,
             Err(e) => {
                 // Not expected on a live socket; back off one slice instead of spinning.
                 tracing::error!(error = %e, "replica-sync poll failed");
                 std::thread::sleep(Duration::from_millis(POLL_MS as u64));
-                continue;
+                false
             }
+        };
+        if !messages {
+            continue;
         }
         for _ in 0..RECV_BATCH {
             match recv_message(socket, &mut frames) {
@@ -650,6 +732,108 @@ fn run_receiver(
                     tracing::debug!(error = %e, "replica-sync receive failed");
                     break;
                 }
+            }
+        }
+    }
+    if let Some(monitor) = monitor {
+        silence_monitor(socket, monitor);
+    }
+}
+
+/// A PAIR socket receiving `sub`'s connection events, or `None` (logged) when libzmq will
+/// not set one up: the monitor only informs, the mesh works without it.
+fn watch_connections(ctx: &zmq::Context, sub: &zmq::Socket) -> Option<zmq::Socket> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let endpoint = format!(
+        "inproc://replica-sync-monitor-{}",
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let events = MONITORED
+        .iter()
+        .fold(0i32, |m, e| m | i32::from(e.to_raw()));
+    let attach = || {
+        let pair = ctx.socket(zmq::PAIR)?;
+        pair.set_linger(0)?;
+        pair.connect(&endpoint)?;
+        Ok(pair)
+    };
+    // A monitor nobody reads would block libzmq's I/O thread at its first event (see
+    // `silence_monitor`), so one whose reader cannot be set up is stopped again.
+    let pair = sub
+        .monitor(&endpoint, events)
+        .and_then(|()| attach().inspect_err(|_| mute_monitor(sub)));
+    match pair {
+        Ok(pair) => Some(pair),
+        Err(e) => {
+            tracing::warn!(error = %e, "replica-sync connection monitor unavailable; peer reachability is not reported");
+            None
+        }
+    }
+}
+
+/// Stops `sub`'s monitor, then closes `monitor`, the PAIR reading it. libzmq sends monitor
+/// events with a blocking send from its I/O thread and stops a closed socket's monitor
+/// only when its reaper destroys the socket: a reconnect attempt in between, with the
+/// reader gone, would block that thread (and the context's termination) for good.
+/// Draining first frees a full pipe, so libzmq is not inside a blocked send, holding the
+/// monitor lock, when it is asked to stop.
+fn silence_monitor(sub: &zmq::Socket, monitor: zmq::Socket) {
+    while monitor.recv_msg(zmq::DONTWAIT).is_ok() {}
+    mute_monitor(sub);
+    drop(monitor);
+}
+
+/// Replaces `sub`'s monitor by one that reports no events: libzmq stops the previous
+/// monitor before it sets up the new one, so this stops it even when the new one fails.
+fn mute_monitor(sub: &zmq::Socket) {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let mute = format!(
+        "inproc://replica-sync-monitor-off-{}",
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    if let Err(e) = sub.monitor(&mute, 0) {
+        tracing::debug!(error = %e, "mute replica-sync monitor not set up");
+    }
+}
+
+/// Applies up to [`MONITOR_BURST`] connection events (`[event u16 LE, value u32 LE]`,
+/// then the endpoint) to the links of the peers they name; events of a peer no longer
+/// registered are ignored.
+fn read_connection_events(shared: &Shared, monitor: &zmq::Socket) {
+    for _ in 0..MONITOR_BURST {
+        let Ok(first) = monitor.recv_bytes(zmq::DONTWAIT) else {
+            return;
+        };
+        let endpoint = match monitor.get_rcvmore() {
+            Ok(true) => monitor.recv_bytes(zmq::DONTWAIT).unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let Some(event) = first
+            .get(..2)
+            .and_then(|b| <[u8; 2]>::try_from(b).ok())
+            .map(u16::from_le_bytes)
+        else {
+            continue;
+        };
+        let endpoint = String::from_utf8_lossy(&endpoint);
+        let mut links = shared.links.lock();
+        let Some(link) = links.get_mut(endpoint.as_ref()) else {
+            continue;
+        };
+        if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+            link.connected = true;
+            link.retries_since_connected = 0;
+        } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+            link.connected = false;
+        } else if event == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+            link.connect_retries += 1;
+            link.retries_since_connected += 1;
+            if link.retries_since_connected == UNREACHABLE_AFTER_RETRIES {
+                tracing::warn!(
+                    endpoint = %link.endpoint,
+                    retries = link.retries_since_connected,
+                    "replica-sync peer is not connected: reconnecting without a ZMQ handshake"
+                );
             }
         }
     }
@@ -774,6 +958,10 @@ fn handle_command(shared: &Shared, socket: &zmq::Socket, cmd: Command) {
                 match connect(socket, &endpoint) {
                     Ok(()) => {
                         tracing::info!(%endpoint, "replica-sync peer registered");
+                        shared
+                            .links
+                            .lock()
+                            .insert(endpoint.clone(), PeerLink::new(endpoint.clone()));
                         peers.insert(endpoint);
                         Ok(true)
                     }
@@ -792,6 +980,7 @@ fn handle_command(shared: &Shared, socket: &zmq::Socket, cmd: Command) {
                 match socket.disconnect(&endpoint) {
                     Ok(()) => {
                         tracing::info!(%endpoint, "replica-sync peer deregistered");
+                        shared.links.lock().remove(&endpoint);
                         peers.remove(&endpoint);
                         Ok(())
                     }

@@ -410,6 +410,11 @@ impl SelectionCore {
         }
     }
 
+    /// The connection state of every replica peer (empty when replica sync is off).
+    pub fn replica_peer_links(&self) -> Vec<replica_sync::PeerLink> {
+        self.mesh().map(|m| m.peer_links()).unwrap_or_default()
+    }
+
     /// `GET /replica_sync/peers`, sorted; empty when disabled.
     pub fn replica_peers(&self) -> Vec<String> {
         self.mesh().map(|m| m.peers()).unwrap_or_default()

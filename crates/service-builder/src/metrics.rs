@@ -608,6 +608,32 @@ fn encode_replica(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt:
         ]
         .map(|(reason, v)| ([("reason", reason)], v)),
     )?;
+    let links = core.replica_peer_links();
+    single(
+        enc,
+        "replica_peers_unreachable",
+        "Replica peers reconnecting without a ZMQ handshake (a wrong address, or a peer down).",
+        MetricType::Gauge,
+        links.iter().filter(|l| l.unreachable()).count() as u64,
+    )?;
+    rows(
+        enc,
+        "replica_peer_connected",
+        "1 while the connection to the replica peer has completed its ZMQ handshake, else 0.",
+        MetricType::Gauge,
+        links
+            .iter()
+            .map(|l| ([("peer", l.endpoint.as_str())], u64::from(l.connected))),
+    )?;
+    rows(
+        enc,
+        "replica_peer_connect_retries",
+        "Reconnect attempts to the replica peer since it was registered.",
+        counter,
+        links
+            .iter()
+            .map(|l| ([("peer", l.endpoint.as_str())], l.connect_retries)),
+    )?;
     let received = [
         ("frame_count", m.dropped_frame_count),
         ("unknown_topic", m.dropped_unknown_topic),

@@ -246,6 +246,59 @@ fn peers_can_be_registered_and_deregistered() {
     );
 }
 
+/// libzmq retries a peer silently for ever: the mesh reports which peers it is connected
+/// to, which ones keep failing, and forgets a peer when it is deregistered.
+#[test]
+fn peer_links_show_connected_and_unreachable_peers() {
+    let (pa, pc, dead) = (free_port(), free_port(), free_port());
+    let (a, _sink_a) = start(config(pa, &[]));
+    let (c, _sink_c) = start(config(pc, &[endpoint(pa), endpoint(dead)]));
+    let link = |m: &ReplicaMesh, ep: &str| m.peer_links().into_iter().find(|l| l.endpoint == ep);
+    let settled = poll_until(WAIT, || {
+        link(&c, &endpoint(pa)).is_some_and(|l| l.connected)
+            && link(&c, &endpoint(dead)).is_some_and(|l| l.unreachable())
+    });
+    assert!(settled, "links never settled: {:?}", c.peer_links());
+    let live = link(&c, &endpoint(pa)).unwrap();
+    assert!(
+        !live.unreachable() && live.retries_since_connected == 0,
+        "{live:?}"
+    );
+    let dead_link = link(&c, &endpoint(dead)).unwrap();
+    assert!(!dead_link.connected);
+    assert!(dead_link.connect_retries >= replica_sync::UNREACHABLE_AFTER_RETRIES);
+
+    // The peer goes away: disconnected, then unreachable while it keeps refusing.
+    drop(a);
+    let lost = poll_until(WAIT, || {
+        link(&c, &endpoint(pa)).is_some_and(|l| l.unreachable())
+    });
+    assert!(
+        lost,
+        "the stopped peer still looks fine: {:?}",
+        c.peer_links()
+    );
+    // It comes back on the same port: connected again, the retries since reset.
+    let (_a, _sink) = start(config(pa, &[]));
+    let back = poll_until(WAIT, || {
+        link(&c, &endpoint(pa)).is_some_and(|l| l.connected)
+    });
+    assert!(
+        back,
+        "the restarted peer never reconnected: {:?}",
+        c.peer_links()
+    );
+
+    c.deregister_peer(&endpoint(dead)).unwrap();
+    c.register_peer(&endpoint(free_port())).unwrap();
+    c.deregister_peer(&endpoint(pa)).unwrap();
+    assert!(link(&c, &endpoint(dead)).is_none() && link(&c, &endpoint(pa)).is_none());
+    assert_eq!(c.peer_links().len(), 1);
+    // Shutting down with a peer that keeps refusing ends promptly (its monitor is stopped
+    // before its reader goes, so no reconnect attempt can block the context's teardown).
+    c.shutdown();
+}
+
 #[test]
 fn start_errors_are_typed_and_clear() {
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -1423,6 +1423,8 @@ fn replicas_share_bookings_lifecycle_and_sessions() {
         format!("kv_select_replica_applied_total {applied}"),
         r#"kv_select_replica_send_dropped_total{reason="queue_full"} 0"#.to_owned(),
         r#"kv_select_replica_received_dropped_total{reason="unknown_partition"} 0"#.to_owned(),
+        format!(r#"kv_select_replica_peer_connected{{peer="tcp://127.0.0.1:{pa}"}} 1"#),
+        "kv_select_replica_peers_unreachable 0".to_owned(),
     ] {
         assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
     }
