@@ -1307,13 +1307,21 @@ impl SelectionCore {
         now: Instant,
         wait: Wait<'_>,
     ) -> Option<SessionGuard<'p>> {
+        let mesh = || {
+            self.mesh()
+                .filter(|m| m.session_affinity())
+                .map(|m| (m, &partition.key))
+        };
         for _ in 0..32 {
             match table.hold(sid, now, wait) {
-                Hold::Init => return Some(SessionGuard::init(table, sid)),
+                Hold::Init => {
+                    return Some(SessionGuard::held(table, sid, GuardState::Init, mesh()));
+                }
                 Hold::Full => return Some(SessionGuard::none()),
                 Hold::Busy => return None,
                 Hold::Bound(target) if partition.schedules(target.worker_id, target.dp_rank) => {
-                    return Some(SessionGuard::bound(table, sid, target));
+                    let state = GuardState::Bound(target);
+                    return Some(SessionGuard::held(table, sid, state, mesh()));
                 }
                 Hold::Bound(target) => {
                     table.release(sid, now);
@@ -2478,6 +2486,9 @@ struct SessionGuard<'p> {
     table: Option<&'p SessionTable>,
     sid: String,
     state: GuardState,
+    /// Where a hold released unused (a failed booking) republishes its binding, as a
+    /// released reservation lease does (replica-sync §7.2): replica sync with affinity on.
+    mesh: Option<(Arc<replica_sync::ReplicaMesh>, &'p PartitionKey)>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -2495,22 +2506,21 @@ impl<'p> SessionGuard<'p> {
             table: None,
             sid: String::new(),
             state: GuardState::Idle,
+            mesh: None,
         }
     }
 
-    fn init(table: &'p SessionTable, sid: &str) -> Self {
+    fn held(
+        table: &'p SessionTable,
+        sid: &str,
+        state: GuardState,
+        mesh: Option<(Arc<replica_sync::ReplicaMesh>, &'p PartitionKey)>,
+    ) -> Self {
         Self {
             table: Some(table),
             sid: sid.to_owned(),
-            state: GuardState::Init,
-        }
-    }
-
-    fn bound(table: &'p SessionTable, sid: &str, target: SessionTarget) -> Self {
-        Self {
-            table: Some(table),
-            sid: sid.to_owned(),
-            state: GuardState::Bound(target),
+            state,
+            mesh,
         }
     }
 
@@ -2591,7 +2601,14 @@ impl Drop for SessionGuard<'_> {
         match self.state {
             GuardState::Init => table.abandon(&self.sid),
             GuardState::Bound(_) | GuardState::Leased => {
-                table.release(&self.sid, Instant::now());
+                if let (Some(update), Some((mesh, key))) =
+                    (table.release(&self.sid, Instant::now()), &self.mesh)
+                {
+                    crate::replica::publish(
+                        Some(mesh),
+                        crate::replica::binding_event(key, &update),
+                    );
+                }
             }
             GuardState::Idle => {}
         }

@@ -1409,6 +1409,20 @@ fn replicas_share_bookings_lifecycle_and_sessions() {
             .load(std::sync::atomic::Ordering::Relaxed)
             > 0
     );
+    // A booking that fails after holding the session's binding releases the hold and
+    // republishes the binding, as a freed reservation does, so B keeps its idle deadline.
+    let delivered = || b.core().replica_mesh_stats().unwrap().delivered;
+    std::thread::sleep(Duration::from_millis(200));
+    let before = delivered();
+    let failed = a.core().select_and_reserve(SelectRequest {
+        selection_id: Some("r2".into()),
+        allowed_worker_ids: Some(vec![99]),
+        ..with_session("chat", 8)
+    });
+    assert!(failed.is_err(), "{failed:?}");
+    wait_until("the released hold's binding to reach B", || {
+        delivered() > before
+    });
 
     let mut registry = prometheus_client::registry::Registry::default();
     b.register_metrics(&mut registry);
