@@ -13,9 +13,10 @@
 //! `ZMQ_EVENTS` says so after the last receive (after a send too: libzmq may make a socket
 //! readable during a send without signalling). A group also re-checks every socket every
 //! [`IDLE_POLL_MS`], so a missed edge could delay a stream, never lose it.
+use std::hash::BuildHasher;
 use std::os::fd::RawFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -323,6 +324,7 @@ impl KvEventListener {
                 Some(v) => Watermark::Live(v),
                 None => Watermark::Initial,
             },
+            accounted: None,
             config,
             sub,
             monitor,
@@ -470,11 +472,7 @@ fn watch_connection(
     sub: &zmq::Socket,
     config: &ListenerConfig,
 ) -> Option<zmq::Socket> {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let endpoint = format!(
-        "inproc://kv-events-monitor-{}",
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    );
+    let endpoint = private_inproc("kv-events-monitor");
     let events = MONITORED
         .iter()
         .fold(0i32, |m, e| m | i32::from(e.to_raw()));
@@ -503,6 +501,23 @@ fn watch_connection(
     }
 }
 
+/// A new `inproc://` name nobody else can know. Monitor endpoints share their context with
+/// the `inproc://` endpoints workers are registered with: a worker naming a monitor's
+/// endpoint before it was bound took the monitor's one PAIR peer (the listener's reader was
+/// refused), and deleting that worker left the monitor without a reader, blocking the
+/// context's I/O thread (see [`silence_monitor`]). A counter made the names guessable; a
+/// per-process secret (OS-seeded SipHash keys) in them does not.
+fn private_inproc(kind: &str) -> String {
+    static SECRET: OnceLock<u128> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let secret = SECRET.get_or_init(|| {
+        let keys = std::collections::hash_map::RandomState::new();
+        (u128::from(keys.hash_one(1u8)) << 64) | u128::from(keys.hash_one(2u8))
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("inproc://{kind}-{secret:032x}-{n}")
+}
+
 /// Stops `sub`'s monitor, then closes `monitor`, the PAIR reading it.
 ///
 /// libzmq sends monitor events with a blocking send, from whichever thread raised them
@@ -522,12 +537,7 @@ fn silence_monitor(sub: &zmq::Socket, monitor: zmq::Socket) {
 
 /// Replaces `sub`'s monitor by one that reports no events (see [`silence_monitor`]).
 fn mute_monitor(sub: &zmq::Socket) {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let mute = format!(
-        "inproc://kv-events-monitor-off-{}",
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    );
-    if let Err(e) = sub.monitor(&mute, 0) {
+    if let Err(e) = sub.monitor(&private_inproc("kv-events-monitor-off"), 0) {
         // libzmq stops the previous monitor before it sets up the new one, so only the
         // mute one is missing (no socket left in the context, say); nothing blocks on it.
         tracing::debug!(error = %e, "mute KV-event monitor not set up");
@@ -864,6 +874,10 @@ struct Worker {
     shared: Arc<Shared>,
     normalizer: Normalizer,
     watermark: Watermark,
+    /// The highest live seq already accounted for: applied, dropped as undecodable, or
+    /// counted lost. A batch that fails to decode leaves the watermark below it (§3), so
+    /// every later batch reports a gap over it again; only seqs past this one are lost.
+    accounted: Option<u64>,
     ops: Vec<KvOperation>,
     drop_log: LogLimiter,
     stale_log: LogLimiter,
@@ -1066,6 +1080,7 @@ impl Worker {
             .process_payload(payload, seq, &mut self.ops, |r| stats.count_filter(r));
         if let Err(e) = res {
             self.drop_message(DropReason::from(&e), &e);
+            self.account(seq);
             return false;
         }
         self.sink.apply(&self.ops);
@@ -1082,6 +1097,23 @@ impl Worker {
         ListenerStats::add(&stats.blocks_stored, blocks as u64);
         self.set_watermark(seq);
         true
+    }
+
+    /// Counts the seqs of `[start, end)` not accounted for yet as lost; returns how many.
+    fn count_lost(&mut self, start: u64, end: u64) -> u64 {
+        let from = self
+            .accounted
+            .map_or(start, |a| start.max(a.saturating_add(1)));
+        let lost = end.saturating_sub(from);
+        ListenerStats::add(&self.shared.stats.batches_lost, lost);
+        if end > start {
+            self.account(end - 1);
+        }
+        lost
+    }
+
+    fn account(&mut self, seq: u64) {
+        self.accounted = Some(self.accounted.map_or(seq, |a| a.max(seq)));
     }
 
     fn set_watermark(&mut self, seq: u64) {
@@ -1101,7 +1133,7 @@ impl Worker {
         held: (u64, Vec<zmq::Message>),
     ) -> Result<(), Vec<zmq::Message>> {
         if self.config.replay_endpoint.is_none() {
-            ListenerStats::add(&self.shared.stats.batches_lost, end - start);
+            self.count_lost(start, end);
             tracing::warn!(
                 start,
                 end,
@@ -1223,12 +1255,8 @@ impl Worker {
                 (_, Some(l)) if l < end - 1 => "ended_before_target",
                 _ => "ended_abnormally",
             };
-            let lost = match self.watermark.last() {
-                Some(w) if w + 1 >= end => 0,
-                Some(w) => end - (w + 1).max(start),
-                None => end - start,
-            };
-            ListenerStats::add(&stats.batches_lost, lost);
+            let from = self.watermark.last().map_or(start, |w| (w + 1).max(start));
+            let lost = self.count_lost(from, end);
             tracing::warn!(
                 start,
                 end,

@@ -22,6 +22,22 @@ use parking_lot::Mutex;
 use crate::catalog::{PartitionKey, WorkerRequest};
 use crate::core::Partition;
 
+/// Why `endpoint` cannot reach an engine, for the `inproc://` transport: it only connects
+/// sockets of one ZMQ context, and the listeners' contexts are private to the service, so
+/// no engine can ever publish there. The endpoint stays valid (http-api §4.2 accepts the
+/// scheme, and the worker stays schedulable, as with the reference) but is not connected:
+/// each connect to a name nobody binds stays pending in the context for good, libzmq
+/// creates a socket per pending name when the context ends (aborting the process past
+/// 1,023), and the names share the context with the listeners' connection monitors.
+fn private_endpoint(endpoint: &str) -> Option<String> {
+    endpoint.starts_with("inproc://").then(|| {
+        format!(
+            "inproc endpoint `{endpoint}` cannot receive events: it names a socket inside \
+             this service's own ZMQ context, where no engine publishes"
+        )
+    })
+}
+
 /// Where decoded engine events go (the core, through a weak reference).
 pub(crate) trait IngressSink: Send + Sync + 'static {
     fn apply(&self, partition: &PartitionKey, ops: &[KvOperation]);
@@ -323,10 +339,35 @@ impl Ingress {
         let mut started: BTreeMap<WorkerKey, Registered> = BTreeMap::new();
         for (rank, ep) in endpoints.iter().filter(|(r, _)| !retained.contains(r)) {
             let key = WorkerKey::new(record.worker_id, *rank);
+            if let Some(error) = private_endpoint(ep) {
+                tracing::warn!(
+                    worker_id = record.worker_id,
+                    dp_rank = rank,
+                    "kv_events endpoint refused, the rank gets no events: {error}"
+                );
+                started.insert(
+                    key,
+                    Registered {
+                        endpoint: ep.clone(),
+                        replay_endpoint: record.replay_endpoint.clone(),
+                        partition: Arc::clone(partition),
+                        listener: RankListener::Refused { error },
+                        _context: None,
+                    },
+                );
+                continue;
+            }
             let mut cfg = ListenerConfig::new(key, ep.clone(), block_size)
                 .with_replay_timeout(self.replay_timeout);
-            if let Some(replay) = &record.replay_endpoint {
-                cfg = cfg.with_replay_endpoint(replay.clone());
+            match &record.replay_endpoint {
+                Some(replay) if private_endpoint(replay).is_some() => {
+                    tracing::warn!(
+                        worker_id = record.worker_id,
+                        "replay endpoint {replay} is in-process: gaps are counted, not replayed"
+                    );
+                }
+                Some(replay) => cfg = cfg.with_replay_endpoint(replay.clone()),
+                None => {}
             }
             cfg.start_open = self.open.load(Ordering::SeqCst);
             let sink = Arc::clone(&self.sink);

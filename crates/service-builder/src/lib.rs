@@ -92,11 +92,13 @@
 //!   busy test sees its load.
 //! - A failed operation changes no state: claims of reservation ids are released on every
 //!   error path (a drop guard), and bookings are made last.
-//! - Each KV listener (one per `(worker, dp_rank)` with an endpoint) costs about three file
-//!   descriptors and runs on a shared thread (a group of up to 64 listeners, at least one
-//!   group per core); listeners
-//!   share ZMQ contexts, at most 500 per context (libzmq
-//!   refuses a context's 1,024th socket). A host that registers many event-driven workers
+//! - Each KV listener (one per `(worker, dp_rank)` with an endpoint) costs about six to
+//!   nine file descriptors (its SUB, the two ends of its connection monitor, a DEALER after
+//!   its first replay, and their TCP connections) and runs on a shared thread (a group of
+//!   up to 64 listeners, at least one group per core); listeners share ZMQ contexts, at
+//!   most 250 per context (libzmq refuses a context's 1,024th socket, and a listener holds
+//!   up to four). `inproc://` endpoints are accepted but never connected: no engine can
+//!   publish into the service's private contexts. A host that registers many event-driven workers
 //!   raises its open-file limit (select-server does at startup).
 //!
 //! # Metrics

@@ -378,6 +378,47 @@ fn the_connection_state_follows_the_publisher() {
     listener.stop();
 }
 
+/// A worker may be registered with any `inproc://` endpoint, and its SUB lives in the same
+/// context as the listeners' connection monitors. Monitor names were a counter: a socket
+/// connected to the next one took the monitor's only PAIR peer (the listener's reader was
+/// refused), and closing it then blocked the context's I/O thread for every listener.
+#[test]
+fn inproc_endpoints_cannot_take_a_listeners_connection_monitor() {
+    let ctx = zmq::Context::new();
+    let squatter = ctx.socket(zmq::SUB).unwrap();
+    squatter.set_linger(0).unwrap();
+    // (Every pending inproc connect costs a socket when the context terminates, and libzmq
+    // aborts past its 1,023: the names this test binary's counter could have reached.)
+    for n in 0..400 {
+        squatter
+            .connect(&format!("inproc://kv-events-monitor-{n}"))
+            .unwrap();
+    }
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let listener =
+        KvEventListener::start_in(&ctx, ListenerConfig::new(WorkerKey::new(9, 0), ep, 4), sink)
+            .unwrap();
+    let stats = listener.stats();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
+    wait_until(|| stats.connected.load(Ordering::Relaxed));
+    // The squatter goes; a listener to a refused port keeps retrying, and the context's
+    // I/O thread keeps serving both.
+    drop(squatter);
+    let refused = format!("tcp://127.0.0.1:{}", testkit::free_port());
+    let (sink2, _rx2) = Collector::new();
+    let retrying = KvEventListener::start_in(
+        &ctx,
+        ListenerConfig::new(WorkerKey::new(9, 1), refused, 4),
+        sink2,
+    )
+    .unwrap();
+    wait_until(|| retrying.stats().unreachable());
+    rx.publish_until_delivered(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
+    retrying.stop();
+    listener.stop();
+}
+
 #[test]
 fn malformed_messages_are_counted_and_never_stop_the_listener() {
     let ctx = zmq::Context::new();
@@ -424,6 +465,34 @@ fn malformed_messages_are_counted_and_never_stop_the_listener() {
     assert_eq!(stats.dropped(DropReason::MalformedMsgpack), 1);
     assert_eq!(stats.dropped(DropReason::SchemaMismatch), 1);
     assert_eq!(listener.state(), ListenerState::Running);
+}
+
+/// Batches that arrived but failed to decode are dropped (and counted so), not lost: the
+/// watermark stays below them (§3), so each later batch reports a gap over them again, and
+/// `kv_batches_lost` counted them once per report (1 + 2 + 3 = 6 for three bad batches).
+#[test]
+fn undecodable_batches_are_dropped_not_lost_and_real_gaps_count_once() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let listener =
+        KvEventListener::start(ListenerConfig::new(WorkerKey::new(4, 0), ep, 4), sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    for seq in 1..=3 {
+        publish(&publisher, seq, b"\x93\x01\xdd\xff\xff\xff\xff");
+    }
+    publish(&publisher, 4, &batch(vec![stored(&[7], None)]));
+    assert_eq!(rx.next()[0].event_id, 4);
+    let stats = listener.stats();
+    assert_eq!(stats.dropped(DropReason::MalformedMsgpack), 3);
+    assert_eq!(get(&stats.batches_lost), 0);
+    // Seqs 5 and 6 never come: two lost, counted once however often the gap is seen.
+    publish(&publisher, 7, &b"\x93\x01\xdd\xff\xff\xff\xff"[..]);
+    publish(&publisher, 8, &batch(vec![stored(&[8], Some(7))]));
+    assert_eq!(rx.next()[0].event_id, 8);
+    assert_eq!(get(&stats.batches_lost), 2);
+    assert_eq!(stats.dropped(DropReason::MalformedMsgpack), 4);
+    listener.stop();
 }
 
 #[test]

@@ -315,6 +315,44 @@ fn an_endpoint_libzmq_refuses_keeps_the_worker_schedulable_and_shows_as_failed()
 }
 
 #[test]
+fn inproc_endpoints_stay_valid_but_are_never_connected() {
+    // `inproc://` passes the syntax check (http-api §4.2) but can only reach sockets of the
+    // service's own contexts, where no engine publishes; connecting it would leave a pending
+    // name in the context for good. The worker stays schedulable, the rank shows as failed.
+    let c = core(CoreConfig::default());
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    let record = c
+        .upsert_worker(WorkerRequest {
+            kv_events_endpoint: Some("inproc://engine".into()),
+            replay_endpoint: Some("inproc://engine-replay".into()),
+            ..worker(7)
+        })
+        .unwrap();
+    assert_eq!(record.lifecycle, service_builder::Lifecycle::Schedulable);
+    assert_eq!(record.warnings.len(), 1, "{record:?}");
+    assert!(
+        record.warnings[0].contains("inproc endpoint `inproc://engine` cannot receive events"),
+        "{record:?}"
+    );
+    assert_eq!(c.failed_listeners(), [WorkerKey::new(7, 0)]);
+    has(&encode(&registry), "kv_select_kv_listeners_failed 1");
+    assert_eq!(c.select(select(tokens(16))).unwrap().worker_id, 7);
+    // A tcp endpoint with an in-process replay endpoint listens, without replays.
+    let (_ctx, _publisher, endpoint) = bound_publisher();
+    let fixed = c
+        .upsert_worker(WorkerRequest {
+            kv_events_endpoint: Some(endpoint),
+            replay_endpoint: Some("inproc://engine-replay".into()),
+            ..worker(7)
+        })
+        .unwrap();
+    assert!(fixed.warnings.is_empty(), "{fixed:?}");
+    assert!(c.failed_listeners().is_empty());
+    c.shutdown();
+}
+
+#[test]
 fn an_unreachable_publisher_shows_until_it_answers() {
     // libzmq retries a refused connect silently for ever; the connection monitor makes it
     // visible (beyond-reference #10) and clears it once the publisher is there.
