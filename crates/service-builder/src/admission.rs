@@ -300,12 +300,23 @@ impl PartitionQueue {
 /// Whether `key`, a rank of a worker with `taints`, may serve a waiting request (pin,
 /// allow-list and required taints).
 pub(crate) fn eligible(w: &Waiting<Arc<Ticket>>, key: WorkerKey, taints: &[String]) -> bool {
-    w.pinned.is_none_or(|p| p == key)
-        && w.payload
+    eligible_for(w.pinned, &w.payload, key, taints)
+}
+
+/// Whether a request pinned to `pinned` (if any) with `ticket`'s allow-list and required
+/// taints may go to `key`, whose worker has `taints`.
+pub(crate) fn eligible_for(
+    pinned: Option<WorkerKey>,
+    ticket: &Ticket,
+    key: WorkerKey,
+    taints: &[String],
+) -> bool {
+    pinned.is_none_or(|p| p == key)
+        && ticket
             .allowed
             .as_ref()
             .is_none_or(|a| a.contains(&key.worker_id.0))
-        && w.payload.required_taints.iter().all(|t| taints.contains(t))
+        && ticket.required_taints.iter().all(|t| taints.contains(t))
 }
 
 #[cfg(test)]

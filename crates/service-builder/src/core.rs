@@ -1151,6 +1151,26 @@ impl SelectionCore {
             );
         }
         let ticket = Ticket::new(req.allowed_worker_ids.clone(), req.required_taints.clone());
+        // The busy gate waits for capacity, not for workers to appear: a request no rank
+        // could serve is scheduled at once and fails as it does without a queue (503,
+        // service-semantics §5.3), instead of waiting out the 300 s queue deadline.
+        let servable = workers.values().any(|entry| {
+            entry.record.dp_ranks().any(|rank| {
+                let key = WorkerKey::new(entry.record.worker_id, rank);
+                crate::admission::eligible_for(
+                    req.pinned_worker,
+                    &ticket,
+                    key,
+                    &entry.record.taints,
+                )
+            })
+        });
+        if !servable {
+            return Ok(Admission {
+                prepared_isl: Some(isl),
+                queued: false,
+            });
+        }
         let arrival = selection_policy::Arrival {
             payload: Arc::clone(&ticket),
             class: classified.index,
@@ -1161,7 +1181,6 @@ impl SelectionCore {
             pinned: req.pinned_worker,
             advisory: false,
         };
-        let workers = Arc::clone(&partition.workers.read());
         let offered = {
             let ledger = partition.ledger.lock();
             let gate = |class: &selection_policy::PolicyClass,

@@ -1573,6 +1573,56 @@ fn a_busy_partition_queues_until_capacity_frees_and_shutdown_fails_waiters() {
     assert_eq!(c.metrics().admission_wait().count(), 2);
 }
 
+/// The queue waits for capacity, not for workers: a request no rank could serve (pinned to
+/// an absent worker or rank, an allow-list or taints nobody matches) fails at once with the
+/// 503 it gets without a queue, on an idle or a busy partition, instead of waiting 300 s.
+#[test]
+fn requests_no_rank_could_serve_fail_at_once_with_a_queue() {
+    let c = queue_core();
+    c.upsert_worker(WorkerRequest {
+        max_num_batched_tokens: Some(100),
+        ..worker(1)
+    })
+    .unwrap();
+    let unservable = || {
+        [
+            SelectRequest {
+                pinned_worker: Some(WorkerKey::new(9, 0)),
+                ..select(tokens(8))
+            },
+            SelectRequest {
+                pinned_worker: Some(WorkerKey::new(1, 3)),
+                ..select(tokens(8))
+            },
+            SelectRequest {
+                allowed_worker_ids: Some(vec![9]),
+                ..select(tokens(8))
+            },
+            SelectRequest {
+                required_taints: vec!["gpu-a100".into()],
+                ..select(tokens(8))
+            },
+        ]
+    };
+    for busy in [false, true] {
+        if busy {
+            c.select_and_reserve(SelectRequest {
+                selection_id: Some("a".into()),
+                ..select(tokens(80))
+            })
+            .unwrap();
+        }
+        for req in unservable() {
+            let e = c.select_and_reserve(req.clone()).unwrap_err();
+            assert_eq!(e.status_code(), 503, "{req:?}: {e:?}");
+            assert_eq!(c.select(req).unwrap_err().status_code(), 503);
+        }
+        assert_eq!(c.loads(None, None)[0].pending_count, 0);
+    }
+    assert_eq!(c.metrics().admission_waits(), 0);
+    c.shutdown();
+}
+
 #[test]
 fn a_request_that_would_queue_comes_back_untouched_and_nothing_is_queued() {
     use service_builder::Attempt;
