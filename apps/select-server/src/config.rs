@@ -187,6 +187,11 @@ struct Cli {
     /// prompts are rejected with 413 before any hashing.
     #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..), value_name = "N")]
     max_prompt_tokens: u64,
+
+    /// Seconds an HTTP connection may take to send a whole request head, idle keep-alive
+    /// time included; slower (or silent) connections are closed (fractional accepted).
+    #[arg(long, default_value = "30", value_parser = parse_positive_secs, value_name = "SECS")]
+    http_header_timeout_secs: Duration,
 }
 
 /// Everything the process was configured with. Plain data; `Default` equals the spec defaults.
@@ -217,6 +222,8 @@ pub struct ServerConfig {
     pub max_active_reservations: Option<u64>,
     /// `--max-prompt-tokens`.
     pub max_prompt_tokens: u64,
+    /// `--http-header-timeout-secs`.
+    pub http_header_timeout: Duration,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
@@ -259,6 +266,7 @@ impl Default for ServerConfig {
             replica_sync_key: None,
             max_active_reservations: None,
             max_prompt_tokens: 1_000_000,
+            http_header_timeout: Duration::from_secs(30),
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             policy_classes: None,
@@ -463,6 +471,7 @@ impl ServerConfig {
             replica_sync_key,
             max_active_reservations: cli.max_active_reservations,
             max_prompt_tokens: cli.max_prompt_tokens,
+            http_header_timeout: cli.http_header_timeout_secs,
             router,
             policy_names,
             policy_classes: file.and_then(|f| f.classes),
@@ -513,6 +522,14 @@ fn parse_secs_f64(s: &str) -> Result<Duration, String> {
         return Err("must be finite and non-negative".to_owned());
     }
     Duration::try_from_secs_f64(secs).map_err(|e| e.to_string())
+}
+
+fn parse_positive_secs(s: &str) -> Result<Duration, String> {
+    let d = parse_secs_f64(s)?;
+    if d.is_zero() {
+        return Err("must be greater than 0".to_owned());
+    }
+    Ok(d)
 }
 
 fn parse_tracking_hash(s: &str) -> Result<TrackingHashAlgorithm, String> {

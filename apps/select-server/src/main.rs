@@ -93,7 +93,7 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
             ..EdgeOptions::default()
         },
     );
-    serve(listener, routes, shutdown_signal()).await?;
+    serve(listener, routes, cfg.http_header_timeout, shutdown_signal()).await?;
     let _ = stop_watch.send(());
     backend.service().shutdown().await;
     tracing::info!("shut down");

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use hyper::server::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
 use crate::backend::Backend;
@@ -48,9 +48,15 @@ impl AcceptFailures {
 
 /// Accepts HTTP/1.1 connections on `listener` until `shutdown` resolves. Connections already
 /// accepted finish on their own tasks.
+///
+/// A connection that has not sent a whole request head within `header_timeout` (idle
+/// keep-alive time included) is closed: without a timer hyper waits for ever, so idle and
+/// half-sent (slowloris) connections held descriptors until the process ran out (an audit
+/// held 1,250 for a minute, none closed).
 pub async fn serve<B: Backend>(
     listener: TcpListener,
     routes: Routes<B>,
+    header_timeout: Duration,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     tokio::pin!(shutdown);
@@ -85,6 +91,8 @@ pub async fn serve<B: Backend>(
         });
         tokio::spawn(async move {
             if let Err(e) = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
                 .serve_connection(TokioIo::new(stream), service)
                 .await
             {

@@ -32,10 +32,36 @@ async fn serves_http1_on_loopback() {
     let server = tokio::spawn(serve(
         listener,
         router(Arc::clone(&fake), EdgeOptions::default()),
+        Duration::from_millis(300),
         async {
             let _ = stopped.await;
         },
     ));
+
+    // Silent, half-sent and idle keep-alive connections are closed after the head
+    // timeout (slowloris); a request within it is answered.
+    let mut silent = TcpStream::connect(addr).await.expect("connect");
+    let mut partial = TcpStream::connect(addr).await.expect("connect");
+    partial
+        .write_all(b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        .await
+        .expect("write");
+    let mut kept = TcpStream::connect(addr).await.expect("connect");
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .expect("write");
+    for stream in [&mut silent, &mut partial, &mut kept] {
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out))
+            .await
+            .expect("closed by the server within 10 s")
+            .expect("read");
+        let text = String::from_utf8_lossy(&out);
+        assert!(
+            text.is_empty() || text.starts_with("HTTP/1.1 200 OK"),
+            "{text}"
+        );
+    }
 
     let resp = roundtrip(
         addr,
