@@ -12,7 +12,9 @@
 //! block then; `try_*` variants hand the request back instead ([`Attempt::WouldWait`],
 //! nothing changed). Async callers use [`SelectionService::select`],
 //! [`SelectionService::select_and_reserve`] and [`SelectionService::create_reservation`],
-//! which run inline and move to tokio's blocking pool only what would wait. Dropping such
+//! which run inline and move only what would wait to a thread of its own (at most
+//! [`MAX_WAITING_THREADS`]; not tokio's blocking pool, which waiters would fill for the
+//! host's other blocking work). Dropping such
 //! a future while it waits (the caller went away) takes the request out of the queue, and
 //! frees a booking it made that nobody received.
 //!
@@ -243,7 +245,8 @@ pub use request::{
     SelectRequest, SelectResponse,
 };
 pub use service::{
-    MAX_SESSION_AFFINITY_TTL, ReplicaSyncConfig, SelectionService, SelectionServiceBuilder,
+    MAX_SESSION_AFFINITY_TTL, MAX_WAITING_THREADS, ReplicaSyncConfig, SelectionService,
+    SelectionServiceBuilder,
 };
 pub use session::{
     BindingUpdate, BindingVersion, MAX_SESSION_ID_BYTES, MAX_SESSIONS_PER_TABLE, SessionTarget,

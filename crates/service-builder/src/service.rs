@@ -2,6 +2,7 @@
 //! running service needs (periodic expiry), with an explicit, idempotent shutdown.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -173,6 +174,7 @@ impl SelectionServiceBuilder {
             core,
             stop: stop_tx,
             tasks: parking_lot::Mutex::new(vec![expiry]),
+            waiting: Arc::new(AtomicUsize::new(0)),
         })
     }
 }
@@ -183,6 +185,8 @@ pub struct SelectionService {
     core: Arc<SelectionCore>,
     stop: watch::Sender<bool>,
     tasks: parking_lot::Mutex<Vec<JoinHandle<()>>>,
+    /// Requests waiting on threads of their own (see [`MAX_WAITING_THREADS`]).
+    waiting: Arc<AtomicUsize>,
 }
 
 impl SelectionService {
@@ -192,7 +196,7 @@ impl SelectionService {
     }
 
     /// [`SelectionCore::select`] for async callers: it runs on the calling task, and only a
-    /// request that would wait in the admission queue moves to tokio's blocking pool. The
+    /// request that would wait in the admission queue moves to a thread of its own. The
     /// core's plain methods block while a request waits (up to minutes in a full queue), so
     /// async code calls these instead.
     pub async fn select(&self, req: SelectRequest) -> Result<SelectResponse, SelectionError> {
@@ -234,10 +238,16 @@ impl SelectionService {
         .await
     }
 
-    /// Runs `attempt` here; what it hands back runs `wait` on the blocking pool. If this
+    /// Runs `attempt` here; what it hands back runs `wait` on a thread of its own. If this
     /// future is dropped meanwhile (the caller went away), the request leaves the admission
     /// queue, and what `undo` returns for a result nobody received runs (a booking is
     /// freed).
+    ///
+    /// Not tokio's blocking pool: a waiter holds its thread for up to the queue deadline,
+    /// and 512 of them (the pool's cap) stalled everything else that needs the pool (worker
+    /// registration, `/dump`, shutdown, which is what releases the waiters) while later
+    /// waiters sat in the pool's own queue, outside the admission queue's order and limits.
+    /// At most [`MAX_WAITING_THREADS`] wait at once; more are refused with 503.
     async fn attempt<T: Send + 'static, R: Send + 'static>(
         &self,
         req: R,
@@ -248,24 +258,42 @@ impl SelectionService {
         match attempt(&self.core, req) {
             Attempt::Done(result) => result,
             Attempt::WouldWait(req) => {
+                let Some(slot) = WaitingSlot::take(&self.waiting) else {
+                    return Err(SelectionError::scheduler(
+                        503,
+                        format!(
+                            "too many requests are waiting ({MAX_WAITING_THREADS}); retry later"
+                        ),
+                    ));
+                };
                 let core = Arc::clone(&self.core);
                 let cancel = Arc::new(Cancel::default());
                 let guard = CancelOnDrop(Some(Arc::clone(&cancel)));
                 let task_cancel = Arc::clone(&cancel);
-                let joined = tokio::task::spawn_blocking(move || {
-                    let result = wait(&core, req, &task_cancel);
-                    if let Some(free) = result.as_ref().ok().and_then(|v| undo(&core, v)) {
-                        task_cancel.finished(free);
-                    }
-                    result
-                })
-                .await;
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let spawned = std::thread::Builder::new()
+                    .name("kv-select-wait".to_owned())
+                    .spawn(move || {
+                        let _slot = slot;
+                        let result = wait(&core, req, &task_cancel);
+                        if let Some(free) = result.as_ref().ok().and_then(|v| undo(&core, v)) {
+                            task_cancel.finished(free);
+                        }
+                        let _ = tx.send(result);
+                    });
+                if let Err(e) = spawned {
+                    guard.disarm();
+                    return Err(SelectionError::internal(format!(
+                        "cannot start a thread for a waiting request: {e}"
+                    )));
+                }
+                let received = rx.await;
                 guard.disarm();
                 cancel.delivered();
-                joined.unwrap_or_else(|e| {
-                    Err(SelectionError::internal(format!(
-                        "selection task failed: {e}"
-                    )))
+                received.unwrap_or_else(|_| {
+                    Err(SelectionError::internal(
+                        "a waiting request's thread ended without an answer",
+                    ))
                 })
             }
         }
@@ -281,13 +309,50 @@ impl SelectionService {
     /// Idempotent.
     pub async fn shutdown(&self) {
         let core = Arc::clone(&self.core);
-        // Stopping listeners waits for their groups' threads: keep that off the async workers.
-        let _ = tokio::task::spawn_blocking(move || core.shutdown()).await;
+        // Stopping listeners waits for their groups' threads: keep that off the async
+        // workers, and off the blocking pool, which a host may have filled.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name("kv-select-shutdown".to_owned())
+            .spawn(move || {
+                core.shutdown();
+                let _ = tx.send(());
+            });
+        match spawned {
+            Ok(_) => {
+                let _ = rx.await;
+            }
+            Err(_) => self.core.shutdown(),
+        }
         let _ = self.stop.send(true);
         let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
         for t in tasks {
             let _ = t.await;
         }
+    }
+}
+
+/// Requests that may wait in the admission queue (or behind a session's first booking) at
+/// once, each on a thread of its own.
+pub const MAX_WAITING_THREADS: usize = 4096;
+
+/// One of the [`MAX_WAITING_THREADS`] places, given back when dropped.
+struct WaitingSlot(Arc<AtomicUsize>);
+
+impl WaitingSlot {
+    fn take(count: &Arc<AtomicUsize>) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_WAITING_THREADS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| WaitingSlot(Arc::clone(count)))
+    }
+}
+
+impl Drop for WaitingSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -325,5 +390,24 @@ impl Drop for SelectionService {
         for t in self.tasks.lock().drain(..) {
             t.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waiting_slots_are_capped_and_given_back() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let slots: Vec<WaitingSlot> = (0..MAX_WAITING_THREADS)
+            .map(|_| WaitingSlot::take(&count).expect("below the cap"))
+            .collect();
+        assert!(WaitingSlot::take(&count).is_none(), "the cap holds");
+        drop(slots.into_iter().next());
+        assert!(
+            WaitingSlot::take(&count).is_some(),
+            "a slot given back is reusable"
+        );
     }
 }

@@ -1714,7 +1714,7 @@ fn queued_service() -> (Arc<service_builder::SelectionService>, Arc<SelectionCor
 }
 
 /// `SelectionService`'s async methods never block the runtime: on a single-threaded
-/// runtime, a booking that must wait in the admission queue waits on the blocking pool,
+/// runtime, a booking that must wait in the admission queue waits on a thread of its own,
 /// while the runtime's other task frees the capacity it is waiting for.
 #[test]
 fn async_bookings_wait_off_the_runtime() {
@@ -1760,6 +1760,62 @@ fn async_bookings_wait_off_the_runtime() {
         .recv_timeout(Duration::from_secs(20))
         .expect("a waiting booking held the runtime");
     assert_eq!(booked.as_deref(), Some("b"));
+}
+
+/// Waiting requests do not use tokio's blocking pool: with more waiters than the pool has
+/// threads, work that needs the pool (a worker registration, as the HTTP edge runs it) and
+/// the shutdown that releases the waiters still run. With the pool, 512 waiters stalled
+/// both (the queue audit: `POST /workers` unanswered for 30 s, SIGTERM for 90 s).
+#[test]
+fn waiters_leave_the_blocking_pool_to_catalog_calls_and_shutdown() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (service, core) = queued_service();
+        core.select_and_reserve(SelectRequest {
+            selection_id: Some("a".into()),
+            ..select(tokens(80))
+        })
+        .unwrap();
+        let waiters: Vec<_> = (0..6)
+            .map(|i| {
+                let service = Arc::clone(&service);
+                tokio::spawn(async move {
+                    service
+                        .select_and_reserve(SelectRequest {
+                            selection_id: Some(format!("w{i}")),
+                            ..select(tokens(8))
+                        })
+                        .await
+                })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while core.loads(None, None)[0].pending_count < 6 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(core.loads(None, None)[0].pending_count, 6, "all six wait");
+        let registered = {
+            let core = Arc::clone(&core);
+            tokio::task::spawn_blocking(move || core.upsert_worker(worker(2)))
+        };
+        let registered = tokio::time::timeout(Duration::from_secs(10), registered)
+            .await
+            .expect("the blocking pool is free for a registration")
+            .unwrap();
+        assert!(registered.is_ok());
+        tokio::time::timeout(Duration::from_secs(10), service.shutdown())
+            .await
+            .expect("shutdown runs and releases the waiters");
+        for w in waiters {
+            let e = w.await.unwrap().unwrap_err();
+            assert_eq!(e.status_code(), 503, "{e:?}");
+        }
+    });
 }
 
 /// A caller that goes away while its booking waits in the admission queue (an HTTP client
