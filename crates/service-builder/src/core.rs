@@ -2965,19 +2965,26 @@ fn new_uuid_v4(seed: &AtomicU64) -> String {
 }
 
 /// The queue gate: does the waiting request have an eligible rank that is not busy?
+/// The queue gate: whether `w` may go now. It may when one of its eligible ranks is not
+/// busy, and also when it has no eligible rank left at all (its workers were deleted while
+/// it waited): the queue waits for capacity, not for workers, so such a request is let go
+/// to fail with 503 as it would on arrival (scheduling §5.4), not after the 300 s deadline.
 fn any_rank_free(
     workers: &BTreeMap<u64, WorkerEntry>,
     ledger: &Ledger,
     class: &selection_policy::PolicyClass,
     w: &selection_policy::Waiting<Arc<Ticket>>,
 ) -> bool {
-    workers.values().any(|entry| {
+    let mut any_eligible = false;
+    let free = workers.values().any(|entry| {
         entry.record.dp_ranks().any(|rank| {
             let key = WorkerKey::new(entry.record.worker_id, rank);
             eligible(w, key, &entry.record.taints) && {
+                any_eligible = true;
                 let active = ledger.load(key).map_or(0, |l| l.active_prefill_tokens);
                 !class.is_busy(active, entry.record.max_num_batched_tokens)
             }
         })
-    })
+    });
+    free || !any_eligible
 }

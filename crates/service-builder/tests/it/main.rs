@@ -1620,6 +1620,25 @@ fn requests_no_rank_could_serve_fail_at_once_with_a_queue() {
         assert_eq!(c.loads(None, None)[0].pending_count, 0);
     }
     assert_eq!(c.metrics().admission_waits(), 0);
+
+    // A waiter whose only worker is deleted is let go at the re-check and fails the same
+    // way (scheduling §5.5 re-checks on topology changes), not after 300 s.
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let c = Arc::clone(&c);
+        std::thread::spawn(move || {
+            let _ = tx.send(c.select_and_reserve(select(tokens(8))));
+        });
+    }
+    wait_until("the request to queue", || {
+        c.loads(None, None)[0].pending_count == 1
+    });
+    c.delete_worker(1).unwrap();
+    let e = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("released by the re-check")
+        .unwrap_err();
+    assert_eq!(e.status_code(), 503, "{e:?}");
     c.shutdown();
 }
 
