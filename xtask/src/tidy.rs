@@ -15,11 +15,12 @@ fn allowed_edges() -> BTreeMap<&'static str, &'static [&'static str]> {
     const LEAF: &[&str] = &["kv-types"];
     BTreeMap::from([
         ("kv-types", &[][..]),
-        ("kv-events", LEAF),
+        ("zmq-monitor", &[][..]),
+        ("kv-events", &["kv-types", "zmq-monitor"][..]),
         ("kv-index", LEAF),
         ("load-accounting", LEAF),
         ("selection-policy", LEAF),
-        ("replica-sync", LEAF),
+        ("replica-sync", &["kv-types", "zmq-monitor"][..]),
         ("testkit", LEAF),
         (
             "service-builder",

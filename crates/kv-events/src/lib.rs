@@ -19,8 +19,7 @@
 //!
 //! # Non-goals
 //! The crate knows nothing of the index: whether a parent exists or a removed hash is known
-//! is the sink's business. It reads no environment; its only global state is two counters
-//! that give each connection monitor (and each muted one) its own `inproc://` name.
+//! is the sink's business. It reads no environment and keeps no global state.
 //!
 //! # Invariants
 //! - No input bytes can panic the decoder, make it recurse without bound or allocate more
@@ -41,11 +40,10 @@
 //! - libzmq reconnects silently; the monitor turns its connection events into
 //!   [`ListenerStats::connected`] and reconnect counts, so an endpoint nobody answers on is
 //!   [`ListenerStats::unreachable`] after [`UNREACHABLE_AFTER_RETRIES`] attempts.
-//!   libzmq sends those events with a blocking send from its I/O thread and keeps a
-//!   closed socket's monitor until its reaper destroys the socket, so a listener stops its
-//!   SUB's monitor (re-monitoring with no events) before it closes the PAIR reading it:
-//!   otherwise one reconnect attempt in between blocks the I/O thread, and every listener
-//!   of the context, for good.
+//!   libzmq sends those events with a blocking send from its I/O thread, so a monitor must
+//!   never be left without its reader: `zmq-monitor` stops the SUB's monitor before it
+//!   closes the reader (a listener's `Drop` does), and names monitors so that no worker's
+//!   `inproc://` endpoint can take one's place.
 //! - A group never waits on a socket it was told might be readable: a listener is marked
 //!   clear only when `ZMQ_EVENTS` shows its socket empty (see the listener module for the
 //!   edge-triggered `ZMQ_FD` rules), and every group re-checks all its sockets every 5 s.

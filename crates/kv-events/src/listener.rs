@@ -13,10 +13,9 @@
 //! `ZMQ_EVENTS` says so after the last receive (after a send too: libzmq may make a socket
 //! readable during a send without signalling). A group also re-checks every socket every
 //! [`IDLE_POLL_MS`], so a missed edge could delay a stream, never lose it.
-use std::hash::BuildHasher;
 use std::os::fd::RawFd;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -28,6 +27,7 @@ use crate::endpoint::{EndpointError, validate_endpoint};
 use crate::normalize::{LogLimiter, Normalizer};
 use crate::stats::{DropReason, ListenerStats};
 use crate::watermark::{SeqObservation, Watermark};
+use zmq_monitor::Monitor;
 
 /// Receives the operations of each applied batch, in publisher order. Called from the
 /// listener group's thread; it must not block for long (that group's other listeners wait
@@ -464,31 +464,16 @@ const MONITORED: [zmq::SocketEvent; 3] = [
 /// Monitor events read per listener and poll round.
 const MONITOR_BURST: usize = 64;
 
-/// A PAIR socket receiving `sub`'s connection events, or `None` (logged) when libzmq will
-/// not set one up: the monitor only informs, the listener works without it. Costs two
-/// sockets of the context (libzmq's end and this one) and two descriptors.
+/// `sub`'s connection monitor, or `None` (logged) when libzmq will not set one up: the
+/// monitor only informs, the listener works without it. Costs two sockets of the context
+/// and two descriptors.
 fn watch_connection(
     ctx: &zmq::Context,
     sub: &zmq::Socket,
     config: &ListenerConfig,
-) -> Option<zmq::Socket> {
-    let endpoint = private_inproc("kv-events-monitor");
-    let events = MONITORED
-        .iter()
-        .fold(0i32, |m, e| m | i32::from(e.to_raw()));
-    let attach = || {
-        let pair = ctx.socket(zmq::PAIR)?;
-        pair.set_linger(0)?;
-        pair.connect(&endpoint)?;
-        Ok(pair)
-    };
-    // A monitor nobody reads would block libzmq's I/O thread at its first event (see
-    // `silence_monitor`), so one whose reader cannot be set up is stopped again.
-    let pair = sub
-        .monitor(&endpoint, events)
-        .and_then(|()| attach().inspect_err(|_| mute_monitor(sub)));
-    match pair {
-        Ok(pair) => Some(pair),
+) -> Option<Monitor> {
+    match Monitor::watch(ctx, sub, &MONITORED, "kv-events-monitor") {
+        Ok(monitor) => Some(monitor),
         Err(e) => {
             tracing::warn!(
                 worker_id = config.worker.worker_id.0,
@@ -501,65 +486,14 @@ fn watch_connection(
     }
 }
 
-/// A new `inproc://` name nobody else can know. Monitor endpoints share their context with
-/// the `inproc://` endpoints workers are registered with: a worker naming a monitor's
-/// endpoint before it was bound took the monitor's one PAIR peer (the listener's reader was
-/// refused), and deleting that worker left the monitor without a reader, blocking the
-/// context's I/O thread (see [`silence_monitor`]). A counter made the names guessable; a
-/// per-process secret (OS-seeded SipHash keys) in them does not.
-fn private_inproc(kind: &str) -> String {
-    static SECRET: OnceLock<u128> = OnceLock::new();
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let secret = SECRET.get_or_init(|| {
-        let keys = std::collections::hash_map::RandomState::new();
-        (u128::from(keys.hash_one(1u8)) << 64) | u128::from(keys.hash_one(2u8))
-    });
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("inproc://{kind}-{secret:032x}-{n}")
-}
-
-/// Stops `sub`'s monitor, then closes `monitor`, the PAIR reading it.
-///
-/// libzmq sends monitor events with a blocking send, from whichever thread raised them
-/// (usually the context's I/O thread), and stops a closed socket's monitor only when its
-/// reaper destroys the socket. A reconnect timer firing in between, with the reader gone,
-/// blocked that I/O thread for good, and with it every listener of the context (seen: a
-/// publisher that never got its subscriber after a worker with an unreachable endpoint
-/// was re-registered). Re-monitoring with no events closes the real monitor socket
-/// (libzmq stops a previous monitor first) and installs one that never sends. Draining
-/// the reader first frees a full pipe, so libzmq is not inside a blocked send, holding
-/// the monitor lock, when it is asked to stop.
-fn silence_monitor(sub: &zmq::Socket, monitor: zmq::Socket) {
-    while recv_frames(&monitor).is_ok_and(|m| m.is_some()) {}
-    mute_monitor(sub);
-    drop(monitor);
-}
-
-/// Replaces `sub`'s monitor by one that reports no events (see [`silence_monitor`]).
-fn mute_monitor(sub: &zmq::Socket) {
-    if let Err(e) = sub.monitor(&private_inproc("kv-events-monitor-off"), 0) {
-        // libzmq stops the previous monitor before it sets up the new one, so only the
-        // mute one is missing (no socket left in the context, say); nothing blocks on it.
-        tracing::debug!(error = %e, "mute KV-event monitor not set up");
-    }
-}
-
-/// Applies one monitor event (`[event u16 LE, value u32 LE]`, then the address frame) to
-/// the listener's connection state.
-fn on_connection_event(stats: &ListenerStats, first: &[u8]) {
-    let Some(event) = first
-        .get(..2)
-        .and_then(|b| <[u8; 2]>::try_from(b).ok())
-        .map(u16::from_le_bytes)
-    else {
-        return;
-    };
-    if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+/// Applies one connection event to the listener's connection state.
+fn on_connection_event(stats: &ListenerStats, event: &zmq_monitor::Event) {
+    if event.is(zmq::SocketEvent::HANDSHAKE_SUCCEEDED) {
         stats.connected.store(true, Ordering::Relaxed);
         stats.retries_since_connected.store(0, Ordering::Relaxed);
-    } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+    } else if event.is(zmq::SocketEvent::DISCONNECTED) {
         stats.connected.store(false, Ordering::Relaxed);
-    } else if event == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+    } else if event.is(zmq::SocketEvent::CONNECT_RETRIED) {
         ListenerStats::add(&stats.connect_retries, 1);
         ListenerStats::add(&stats.retries_since_connected, 1);
     }
@@ -616,7 +550,11 @@ impl Members<'_> {
             return;
         }
         if let Some(monitor) = &worker.monitor
-            && let Err(e) = register(self.registry, monitor.get_fd(), monitor_token(slot))
+            && let Err(e) = register(
+                self.registry,
+                monitor.reader().get_fd(),
+                monitor_token(slot),
+            )
         {
             // Without its descriptor the monitor is read by the periodic sweep only.
             tracing::warn!(error = %e, "KV-event connection monitor not polled");
@@ -859,7 +797,7 @@ struct Worker {
     config: ListenerConfig,
     sub: zmq::Socket,
     /// The SUB's connection events. Silenced before it is closed (see `Drop`).
-    monitor: Option<zmq::Socket>,
+    monitor: Option<Monitor>,
     dealer: Option<zmq::Socket>,
     /// Index in the group (its poller tokens).
     slot: usize,
@@ -886,7 +824,7 @@ struct Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         if let Some(monitor) = self.monitor.take() {
-            silence_monitor(&self.sub, monitor);
+            monitor.stop(&self.sub);
         }
     }
 }
@@ -929,7 +867,8 @@ impl Worker {
             self.end_replay(registry, ReplayEnd::Stopped);
         }
         deregister(registry, &self.sub);
-        for socket in [&self.monitor, &self.dealer].into_iter().flatten() {
+        let monitor = self.monitor.as_ref().map(Monitor::reader);
+        for socket in [monitor, self.dealer.as_ref()].into_iter().flatten() {
             deregister(registry, socket);
         }
         if let ListenerState::Failed { error } = &end {
@@ -951,16 +890,16 @@ impl Worker {
             return;
         };
         for _ in 0..MONITOR_BURST {
-            match recv_frames(monitor) {
-                Ok(Some((frames, _))) => {
-                    if let Some(first) = frames.first() {
-                        on_connection_event(&self.shared.stats, first);
-                    }
-                }
-                Ok(None) | Err(_) => break,
+            match monitor.next_event() {
+                Some(event) => on_connection_event(&self.shared.stats, &event),
+                None => break,
             }
         }
-        if !monitor.get_events().is_ok_and(|e| e.contains(zmq::POLLIN)) {
+        if !monitor
+            .reader()
+            .get_events()
+            .is_ok_and(|e| e.contains(zmq::POLLIN))
+        {
             self.monitor_ready = false;
         }
     }
@@ -1297,58 +1236,12 @@ impl Worker {
 mod tests {
     use super::{ListenerStats, on_connection_event};
     use std::sync::atomic::Ordering;
-    use std::time::{Duration, Instant};
 
-    /// A SUB that keeps retrying a refused connect after its monitor's reader is gone must
-    /// not take the context's I/O thread down with it (the bug `silence_monitor` fixes:
-    /// without it this test's second pair never connects).
-    #[test]
-    fn a_silenced_monitor_leaves_the_io_thread_running() {
-        let ctx = zmq::Context::new();
-        let refused = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = refused.local_addr().unwrap().port();
-        drop(refused);
-        let sub = ctx.socket(zmq::SUB).unwrap();
-        sub.set_linger(0).unwrap();
-        sub.set_reconnect_ivl(5).unwrap();
-        let config = super::ListenerConfig::new(
-            kv_types::WorkerKey::new(1, 0),
-            format!("tcp://127.0.0.1:{port}"),
-            16,
-        );
-        let monitor = super::watch_connection(&ctx, &sub, &config).expect("monitor");
-        sub.connect(&config.endpoint).unwrap();
-        monitor.set_rcvtimeo(5_000).unwrap();
-        assert!(monitor.recv_bytes(0).is_ok(), "a retry is reported");
-        super::silence_monitor(&sub, monitor);
-        // Dozens of reconnect attempts with nobody reading the old monitor.
-        std::thread::sleep(Duration::from_millis(300));
-
-        let publisher = ctx.socket(zmq::PUB).unwrap();
-        publisher.set_linger(0).unwrap();
-        publisher.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
-        let reader = ctx.socket(zmq::SUB).unwrap();
-        reader.set_linger(0).unwrap();
-        reader.set_subscribe(b"").unwrap();
-        reader.connect(&endpoint).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut received = false;
-        while !received && Instant::now() < deadline {
-            publisher.send("ping", 0).unwrap();
-            received = reader.poll(zmq::POLLIN, 50).unwrap() > 0;
+    fn event(e: zmq::SocketEvent) -> zmq_monitor::Event {
+        zmq_monitor::Event {
+            kind: e.to_raw(),
+            endpoint: "tcp://127.0.0.1:7".to_owned(),
         }
-        if !received {
-            // A blocked I/O thread would hang the context's teardown: leak it instead.
-            std::mem::forget((sub, publisher, reader, ctx));
-            panic!("the context's I/O thread is blocked");
-        }
-    }
-
-    fn event(e: zmq::SocketEvent) -> Vec<u8> {
-        let mut frame = e.to_raw().to_le_bytes().to_vec();
-        frame.extend(7u32.to_le_bytes());
-        frame
     }
 
     #[test]
@@ -1371,8 +1264,7 @@ mod tests {
         }
         assert!(stats.unreachable());
         assert_eq!(ListenerStats::get(&stats.connect_retries), 6);
-        // Short or unknown frames change nothing.
-        on_connection_event(&stats, &[0x00]);
+        // Other events change nothing.
         on_connection_event(&stats, &event(zmq::SocketEvent::ACCEPTED));
         assert_eq!(ListenerStats::get(&stats.connect_retries), 6);
         assert!(stats.unreachable());

@@ -37,7 +37,7 @@
 //!   receiver thread, turns its connection events into a [`PeerLink`] per configured peer
 //!   (connected, reconnect attempts, unreachable after [`UNREACHABLE_AFTER_RETRIES`]).
 //!   libzmq sends monitor events with a blocking send from its I/O thread, so the monitor is
-//!   stopped (re-monitored with no events) before the PAIR reading it is closed.
+//!   stopped before its reader closes (`zmq-monitor`, shared with the KV listeners).
 //!
 //! # Design choices
 //! - The codec is hand-written rather than serde + `rmp-serde`: the layout is small and fixed,

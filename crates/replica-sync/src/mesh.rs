@@ -18,6 +18,7 @@ use crate::auth::{AuthError, MacSigner, MacVerifier, ReplicaKey};
 use crate::codec::{self, DecodeError};
 use crate::endpoint::{InvalidEndpoint, is_bracketed_tcp, validate_endpoint};
 use crate::event::{ReplicaEvent, RouterId, SESSION_AFFINITY_TOPIC, SLOT_TRACKER_TOPIC, Topic};
+use zmq_monitor::Monitor;
 
 /// Default capacity of the outbound booking-event queue (§4.3).
 pub const DEFAULT_SEQUENCE_QUEUE_CAPACITY: usize = 100_000;
@@ -397,7 +398,7 @@ impl ReplicaMesh {
         for peer in &initial {
             if let Err(source) = connect(&subscriber, peer) {
                 if let Some(monitor) = monitor {
-                    silence_monitor(&subscriber, monitor);
+                    monitor.stop(&subscriber);
                 }
                 return Err(MeshError::Connect {
                     endpoint: peer.clone(),
@@ -685,7 +686,7 @@ fn run_publisher(
 fn run_receiver(
     shared: &Shared,
     socket: &zmq::Socket,
-    monitor: Option<zmq::Socket>,
+    monitor: Option<Monitor>,
     commands: &Receiver<Command>,
     sink: &dyn ReplicaSink,
     mut verifier: Option<MacVerifier>,
@@ -699,7 +700,7 @@ fn run_receiver(
             Some(m) => {
                 let mut items = [
                     socket.as_poll_item(zmq::POLLIN),
-                    m.as_poll_item(zmq::POLLIN),
+                    m.reader().as_poll_item(zmq::POLLIN),
                 ];
                 zmq::poll(&mut items, POLL_MS)
                     .map(|_| (items[0].is_readable(), items[1].is_readable()))
@@ -736,34 +737,15 @@ fn run_receiver(
         }
     }
     if let Some(monitor) = monitor {
-        silence_monitor(socket, monitor);
+        monitor.stop(socket);
     }
 }
 
-/// A PAIR socket receiving `sub`'s connection events, or `None` (logged) when libzmq will
-/// not set one up: the monitor only informs, the mesh works without it.
-fn watch_connections(ctx: &zmq::Context, sub: &zmq::Socket) -> Option<zmq::Socket> {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let endpoint = format!(
-        "inproc://replica-sync-monitor-{}",
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    );
-    let events = MONITORED
-        .iter()
-        .fold(0i32, |m, e| m | i32::from(e.to_raw()));
-    let attach = || {
-        let pair = ctx.socket(zmq::PAIR)?;
-        pair.set_linger(0)?;
-        pair.connect(&endpoint)?;
-        Ok(pair)
-    };
-    // A monitor nobody reads would block libzmq's I/O thread at its first event (see
-    // `silence_monitor`), so one whose reader cannot be set up is stopped again.
-    let pair = sub
-        .monitor(&endpoint, events)
-        .and_then(|()| attach().inspect_err(|_| mute_monitor(sub)));
-    match pair {
-        Ok(pair) => Some(pair),
+/// `sub`'s connection monitor, or `None` (logged) when libzmq will not set one up: the
+/// monitor only informs, the mesh works without it.
+fn watch_connections(ctx: &zmq::Context, sub: &zmq::Socket) -> Option<Monitor> {
+    match Monitor::watch(ctx, sub, &MONITORED, "replica-sync-monitor") {
+        Ok(monitor) => Some(monitor),
         Err(e) => {
             tracing::warn!(error = %e, "replica-sync connection monitor unavailable; peer reachability is not reported");
             None
@@ -771,61 +753,24 @@ fn watch_connections(ctx: &zmq::Context, sub: &zmq::Socket) -> Option<zmq::Socke
     }
 }
 
-/// Stops `sub`'s monitor, then closes `monitor`, the PAIR reading it. libzmq sends monitor
-/// events with a blocking send from its I/O thread and stops a closed socket's monitor
-/// only when its reaper destroys the socket: a reconnect attempt in between, with the
-/// reader gone, would block that thread (and the context's termination) for good.
-/// Draining first frees a full pipe, so libzmq is not inside a blocked send, holding the
-/// monitor lock, when it is asked to stop.
-fn silence_monitor(sub: &zmq::Socket, monitor: zmq::Socket) {
-    while monitor.recv_msg(zmq::DONTWAIT).is_ok() {}
-    mute_monitor(sub);
-    drop(monitor);
-}
-
-/// Replaces `sub`'s monitor by one that reports no events: libzmq stops the previous
-/// monitor before it sets up the new one, so this stops it even when the new one fails.
-fn mute_monitor(sub: &zmq::Socket) {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let mute = format!(
-        "inproc://replica-sync-monitor-off-{}",
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    );
-    if let Err(e) = sub.monitor(&mute, 0) {
-        tracing::debug!(error = %e, "mute replica-sync monitor not set up");
-    }
-}
-
 /// Applies up to [`MONITOR_BURST`] connection events (`[event u16 LE, value u32 LE]`,
 /// then the endpoint) to the links of the peers they name; events of a peer no longer
 /// registered are ignored.
-fn read_connection_events(shared: &Shared, monitor: &zmq::Socket) {
+fn read_connection_events(shared: &Shared, monitor: &Monitor) {
     for _ in 0..MONITOR_BURST {
-        let Ok(first) = monitor.recv_bytes(zmq::DONTWAIT) else {
+        let Some(event) = monitor.next_event() else {
             return;
         };
-        let endpoint = match monitor.get_rcvmore() {
-            Ok(true) => monitor.recv_bytes(zmq::DONTWAIT).unwrap_or_default(),
-            _ => Vec::new(),
-        };
-        let Some(event) = first
-            .get(..2)
-            .and_then(|b| <[u8; 2]>::try_from(b).ok())
-            .map(u16::from_le_bytes)
-        else {
-            continue;
-        };
-        let endpoint = String::from_utf8_lossy(&endpoint);
         let mut links = shared.links.lock();
-        let Some(link) = links.get_mut(endpoint.as_ref()) else {
+        let Some(link) = links.get_mut(&event.endpoint) else {
             continue;
         };
-        if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+        if event.is(zmq::SocketEvent::HANDSHAKE_SUCCEEDED) {
             link.connected = true;
             link.retries_since_connected = 0;
-        } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+        } else if event.is(zmq::SocketEvent::DISCONNECTED) {
             link.connected = false;
-        } else if event == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+        } else if event.is(zmq::SocketEvent::CONNECT_RETRIED) {
             link.connect_retries += 1;
             link.retries_since_connected += 1;
             if link.retries_since_connected == UNREACHABLE_AFTER_RETRIES {

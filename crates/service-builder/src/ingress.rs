@@ -335,72 +335,27 @@ impl Ingress {
                     .remove_rank(WorkerKey::new(prev.worker_id, rank));
             }
         }
-        let block_size = record.block_size.unwrap_or(0);
         let mut started: BTreeMap<WorkerKey, Registered> = BTreeMap::new();
         for (rank, ep) in endpoints.iter().filter(|(r, _)| !retained.contains(r)) {
             let key = WorkerKey::new(record.worker_id, *rank);
-            if let Some(error) = private_endpoint(ep) {
-                tracing::warn!(
-                    worker_id = record.worker_id,
-                    dp_rank = rank,
-                    "kv_events endpoint refused, the rank gets no events: {error}"
-                );
-                started.insert(
-                    key,
-                    Registered {
-                        endpoint: ep.clone(),
-                        replay_endpoint: record.replay_endpoint.clone(),
-                        partition: Arc::clone(partition),
-                        listener: RankListener::Refused { error },
-                        _context: None,
-                    },
-                );
-                continue;
-            }
-            let mut cfg = ListenerConfig::new(key, ep.clone(), block_size)
-                .with_replay_timeout(self.replay_timeout);
-            match &record.replay_endpoint {
-                Some(replay) if private_endpoint(replay).is_some() => {
-                    tracing::warn!(
-                        worker_id = record.worker_id,
-                        "replay endpoint {replay} is in-process: gaps are counted, not replayed"
-                    );
-                }
-                Some(replay) => cfg = cfg.with_replay_endpoint(replay.clone()),
-                None => {}
-            }
-            cfg.start_open = self.open.load(Ordering::SeqCst);
-            let sink = Arc::clone(&self.sink);
-            let pk = partition.key.clone();
-            let apply = move |ops: &[KvOperation]| sink.apply(&pk, ops);
-            let lease = self.contexts.lease();
-            let started_on = self.groups.group().and_then(|group| {
-                KvEventListener::start_on(&group, &lease.0.ctx, cfg, Arc::new(apply))
-            });
-            let (listener, context) = match started_on {
-                Ok(l) => (RankListener::Running(l), Some(lease)),
-                Err(
-                    e @ ListenerError::Zmq {
-                        operation: "connect",
-                        ..
-                    },
-                ) => {
+            let (listener, context) = match private_endpoint(ep) {
+                Some(error) => {
                     tracing::warn!(
                         worker_id = record.worker_id,
                         dp_rank = rank,
-                        "kv_events endpoint refused, the rank gets no events: {e}"
+                        "kv_events endpoint refused, the rank gets no events: {error}"
                     );
-                    let error = e.to_string();
                     (RankListener::Refused { error }, None)
                 }
-                Err(e) => {
-                    for (_, r) in started {
-                        r.listener.stop();
+                None => match self.start_rank(record, partition, key, ep) {
+                    Ok(started_rank) => started_rank,
+                    Err(e) => {
+                        for (_, r) in started {
+                            r.listener.stop();
+                        }
+                        return Err(e);
                     }
-                    return Err(format!(
-                        "failed to start kv_events listener for dp_rank {rank}: {e}"
-                    ));
-                }
+                },
             };
             started.insert(
                 key,
@@ -415,6 +370,58 @@ impl Ingress {
         }
         self.listeners.lock().extend(started);
         Ok(())
+    }
+
+    /// Starts the listener of one rank; a connect libzmq refuses keeps the rank, refused.
+    fn start_rank(
+        &self,
+        record: &WorkerRequest,
+        partition: &Arc<Partition>,
+        key: WorkerKey,
+        ep: &str,
+    ) -> Result<(RankListener, Option<ContextLease>), String> {
+        let rank = key.dp_rank.0;
+        let block_size = record.block_size.unwrap_or(0);
+        let mut cfg = ListenerConfig::new(key, ep.to_owned(), block_size)
+            .with_replay_timeout(self.replay_timeout);
+        match &record.replay_endpoint {
+            Some(replay) if private_endpoint(replay).is_some() => {
+                tracing::warn!(
+                    worker_id = record.worker_id,
+                    "replay endpoint {replay} is in-process: gaps are counted, not replayed"
+                );
+            }
+            Some(replay) => cfg = cfg.with_replay_endpoint(replay.clone()),
+            None => {}
+        }
+        cfg.start_open = self.open.load(Ordering::SeqCst);
+        let sink = Arc::clone(&self.sink);
+        let pk = partition.key.clone();
+        let apply = move |ops: &[KvOperation]| sink.apply(&pk, ops);
+        let lease = self.contexts.lease();
+        let started_on = self.groups.group().and_then(|group| {
+            KvEventListener::start_on(&group, &lease.0.ctx, cfg, Arc::new(apply))
+        });
+        match started_on {
+            Ok(l) => Ok((RankListener::Running(l), Some(lease))),
+            Err(
+                e @ ListenerError::Zmq {
+                    operation: "connect",
+                    ..
+                },
+            ) => {
+                tracing::warn!(
+                    worker_id = record.worker_id,
+                    dp_rank = rank,
+                    "kv_events endpoint refused, the rank gets no events: {e}"
+                );
+                let error = e.to_string();
+                Ok((RankListener::Refused { error }, None))
+            }
+            Err(e) => Err(format!(
+                "failed to start kv_events listener for dp_rank {rank}: {e}"
+            )),
+        }
     }
 
     /// Stops every listener of a worker (all ranks).
