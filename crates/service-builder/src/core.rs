@@ -224,7 +224,12 @@ pub struct SelectionCore {
     rng_seed: AtomicU64,
     replica: RwLock<Option<Arc<replica_sync::ReplicaMesh>>>,
     replica_stats: crate::replica::ReplicaApplyStats,
+    /// When a claim at the reservation limit may next run the expiry sweep itself.
+    next_full_sweep: Mutex<Instant>,
 }
+
+/// How often a claim at the reservation limit may sweep expired bookings (see `claim`).
+const FULL_SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for SelectionCore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -268,6 +273,7 @@ impl SelectionCore {
                 rng_seed: AtomicU64::new(seed),
                 replica: RwLock::new(None),
                 replica_stats: crate::replica::ReplicaApplyStats::default(),
+                next_full_sweep: Mutex::new(Instant::now()),
             }
         }))
     }
@@ -1638,6 +1644,25 @@ impl SelectionCore {
     // ---------------------------------------------------------------- reservations
 
     fn claim(&self, id: &str, partition: &Arc<Partition>) -> Result<Claim<'_>, SelectionError> {
+        // Bookings past their expiry still hold rows until the periodic sweep (up to 60 s
+        // later); at the limit, they are reclaimed first, at most once a second, so the
+        // limit counts live reservations.
+        if let Some(max) = self.config.max_active_reservations
+            && self.reservations.lock().len() >= max
+        {
+            let now = Instant::now();
+            let due = {
+                let mut next = self.next_full_sweep.lock();
+                let due = now >= *next;
+                if due {
+                    *next = now + FULL_SWEEP_EVERY;
+                }
+                due
+            };
+            if due {
+                self.expire(now);
+            }
+        }
         let mut rows = self.reservations.lock();
         let len = rows.len();
         let rid = ReservationId::from(id);

@@ -477,6 +477,32 @@ fn reservation_cap_rejects_with_429_and_changes_nothing() {
     assert_eq!(c.loads(None, None)[0].loads[0].active_requests, 1);
 }
 
+/// The cap counts live reservations: a booking past its expiry that the periodic sweep has
+/// not reached yet (up to 60 s) is reclaimed by a claim at the limit.
+#[test]
+fn the_reservation_cap_does_not_count_expired_bookings() {
+    let c = core(CoreConfig {
+        max_active_reservations: Some(1),
+        active_request_expiry: Duration::from_millis(50),
+        ..approx_config()
+    });
+    c.upsert_worker(worker(1)).unwrap();
+    c.select_and_reserve(SelectRequest {
+        selection_id: Some("old".into()),
+        ..select(tokens(8))
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let booked = c.select_and_reserve(SelectRequest {
+        selection_id: Some("new".into()),
+        ..select(tokens(8))
+    });
+    assert!(booked.is_ok(), "{booked:?}");
+    assert_eq!(c.reservation_count(), 1);
+    assert_eq!(c.free_reservation("old").unwrap_err().status_code(), 404);
+    c.shutdown();
+}
+
 #[test]
 fn potential_loads_and_overlap_scores_cover_every_rank() {
     let c = core(approx_config());
