@@ -159,17 +159,25 @@ pub fn read_workers_file(path: &Path) -> Result<Vec<WorkerRequest>, WorkersFileE
         path: path.to_owned(),
         source,
     })?;
+    parse_workers_file(path, &bytes)
+}
+
+/// Parses the content of the workers file at `path` (its extension picks YAML or JSON).
+pub(crate) fn parse_workers_file(
+    path: &Path,
+    bytes: &[u8],
+) -> Result<Vec<WorkerRequest>, WorkersFileError> {
     let yaml = path
         .extension()
         .and_then(|e| e.to_str())
         .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"));
     if yaml {
-        serde_yaml_ng::from_slice(&bytes).map_err(|source| WorkersFileError::ParseYaml {
+        serde_yaml_ng::from_slice(bytes).map_err(|source| WorkersFileError::ParseYaml {
             path: path.to_owned(),
             source,
         })
     } else {
-        serde_json::from_slice(&bytes).map_err(|source| WorkersFileError::Parse {
+        serde_json::from_slice(bytes).map_err(|source| WorkersFileError::Parse {
             path: path.to_owned(),
             source,
         })

@@ -438,10 +438,21 @@ fn the_workers_file_is_watched_and_reconciled() {
     std::thread::sleep(Duration::from_millis(1100));
     std::fs::write(&file, json!([record(2), record(3), record(4)]).to_string()).unwrap();
     wait_for("the new snapshot to apply", || ids(&server) == [2, 3, 4]);
+    // An edit that keeps the size and the modification time (`cp -p`, `rsync -t`) is
+    // seen too: the content says what changed.
+    let modified = std::fs::metadata(&file).unwrap().modified().unwrap();
+    std::fs::write(&file, json!([record(2), record(3), record(5)]).to_string()).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_modified(modified)
+        .unwrap();
+    wait_for("the same-size edit to apply", || ids(&server) == [2, 3, 5]);
     // A broken file changes nothing.
     std::fs::write(&file, "[{\"worker_id\": ").unwrap();
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(ids(&server), [2, 3, 4]);
+    assert_eq!(ids(&server), [2, 3, 5]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
