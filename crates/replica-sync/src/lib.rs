@@ -35,7 +35,8 @@
 //!   (linger 0) and terminates the ZMQ context, so its port is immediately bindable again.
 //! - libzmq reconnects to a peer silently for ever; a monitor on the SUB socket, read by the
 //!   receiver thread, turns its connection events into a [`PeerLink`] per configured peer
-//!   (connected, reconnect attempts, unreachable after [`UNREACHABLE_AFTER_RETRIES`]).
+//!   (connected, reconnect attempts, unreachable after [`UNREACHABLE_AFTER_RETRIES`] attempts
+//!   or [`UNREACHABLE_AFTER`] without a handshake).
 //!   libzmq sends monitor events with a blocking send from its I/O thread, so the monitor is
 //!   stopped before its reader closes (`zmq-monitor`, shared with the KV listeners).
 //!
@@ -74,5 +75,5 @@ pub use event::{
 pub use mesh::{
     DEFAULT_BINDING_QUEUE_CAPACITY, DEFAULT_SEQUENCE_QUEUE_CAPACITY, MeshConfig, MeshError,
     MeshStats, MeshStatsSnapshot, PeerError, PeerLink, PublishOutcome, ReplicaMesh, ReplicaSink,
-    UNREACHABLE_AFTER_RETRIES,
+    UNREACHABLE_AFTER, UNREACHABLE_AFTER_RETRIES,
 };

@@ -37,6 +37,10 @@ const UNAUTHENTICATED_LOG_PERIOD: Duration = Duration::from_secs(30);
 /// Reconnect attempts without a handshake after which a peer counts as unreachable (about
 /// 0.3 s when its port refuses connections, the reconnect interval being 100 ms).
 pub const UNREACHABLE_AFTER_RETRIES: u64 = 3;
+/// Time without a handshake after which a peer counts as unreachable however few attempts
+/// were made: a peer that accepts TCP but never speaks ZMQ (a hung or stopped replica, a
+/// wrong service) costs one attempt per 30 s handshake timeout, so three took 90 s.
+pub const UNREACHABLE_AFTER: Duration = Duration::from_secs(15);
 /// Connection events applied per receiver wake-up.
 const MONITOR_BURST: usize = 64;
 /// Connection events the receiver's monitor reports.
@@ -181,20 +185,28 @@ pub struct PeerLink {
     pub connect_retries: u64,
     /// Reconnect attempts since the last handshake (or the registration).
     pub retries_since_connected: u64,
+    /// Since when the peer has been without a connection (registration or disconnect);
+    /// `None` while connected.
+    pub disconnected_since: Option<Instant>,
 }
 
 impl PeerLink {
     fn new(endpoint: String) -> Self {
         PeerLink {
             endpoint,
+            disconnected_since: Some(Instant::now()),
             ..PeerLink::default()
         }
     }
 
-    /// Not connected, and reconnecting without a handshake at least
-    /// [`UNREACHABLE_AFTER_RETRIES`] times.
+    /// Not connected, and either reconnecting without a handshake at least
+    /// [`UNREACHABLE_AFTER_RETRIES`] times or without one for [`UNREACHABLE_AFTER`].
     pub fn unreachable(&self) -> bool {
-        !self.connected && self.retries_since_connected >= UNREACHABLE_AFTER_RETRIES
+        !self.connected
+            && (self.retries_since_connected >= UNREACHABLE_AFTER_RETRIES
+                || self
+                    .disconnected_since
+                    .is_some_and(|t| t.elapsed() >= UNREACHABLE_AFTER))
     }
 }
 
@@ -768,7 +780,11 @@ fn read_connection_events(shared: &Shared, monitor: &Monitor) {
         if event.is(zmq::SocketEvent::HANDSHAKE_SUCCEEDED) {
             link.connected = true;
             link.retries_since_connected = 0;
+            link.disconnected_since = None;
         } else if event.is(zmq::SocketEvent::DISCONNECTED) {
+            if link.connected {
+                link.disconnected_since = Some(Instant::now());
+            }
             link.connected = false;
         } else if event.is(zmq::SocketEvent::CONNECT_RETRIED) {
             link.connect_retries += 1;
@@ -951,6 +967,21 @@ mod tests {
         // Force the period to have elapsed.
         *limiter.last.lock() = Instant::now().checked_sub(Duration::from_secs(7200));
         assert_eq!(limiter.record(), Some(3));
+    }
+
+    #[test]
+    fn a_peer_is_unreachable_after_three_retries_or_fifteen_seconds_without_a_handshake() {
+        let mut link = PeerLink::new("tcp://a:1".into());
+        assert!(!link.unreachable(), "just registered");
+        link.retries_since_connected = UNREACHABLE_AFTER_RETRIES;
+        assert!(link.unreachable(), "refused three times");
+        // A peer that accepts TCP but never completes a handshake retries once per 30 s.
+        link.retries_since_connected = 1;
+        link.disconnected_since = Instant::now().checked_sub(UNREACHABLE_AFTER);
+        assert!(link.unreachable(), "no handshake for 15 s");
+        link.connected = true;
+        link.disconnected_since = None;
+        assert!(!link.unreachable());
     }
 
     #[test]
