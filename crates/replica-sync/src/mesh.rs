@@ -324,8 +324,7 @@ struct Shared {
     session_affinity: bool,
     stop: AtomicBool,
     stats: Arc<MeshStats>,
-    peers: Mutex<BTreeSet<String>>,
-    /// One entry per configured peer (kept in step with `peers` under its lock).
+    /// The configured peers, each with its connection state.
     links: Mutex<BTreeMap<String, PeerLink>>,
     queued_sequence: AtomicUsize,
     queued_binding: AtomicUsize,
@@ -428,7 +427,6 @@ impl ReplicaMesh {
             session_affinity: config.session_affinity,
             stop: AtomicBool::new(false),
             stats: Arc::new(MeshStats::default()),
-            peers: Mutex::new(initial),
             links: Mutex::new(links),
             queued_sequence: AtomicUsize::new(0),
             queued_binding: AtomicUsize::new(0),
@@ -593,7 +591,7 @@ impl ReplicaMesh {
 
     /// The configured peers, sorted.
     pub fn peers(&self) -> Vec<String> {
-        self.shared.peers.lock().iter().cloned().collect()
+        self.shared.links.lock().keys().cloned().collect()
     }
 
     /// The connection state of every configured peer, sorted by endpoint.
@@ -912,18 +910,14 @@ fn log_drop(shared: &Shared, why: &dyn std::fmt::Display) {
 fn handle_command(shared: &Shared, socket: &zmq::Socket, cmd: Command) {
     match cmd {
         Command::Register(endpoint, reply) => {
-            let mut peers = shared.peers.lock();
-            let result = if peers.contains(&endpoint) {
+            let mut peers = shared.links.lock();
+            let result = if peers.contains_key(&endpoint) {
                 Ok(false)
             } else {
                 match connect(socket, &endpoint) {
                     Ok(()) => {
                         tracing::info!(%endpoint, "replica-sync peer registered");
-                        shared
-                            .links
-                            .lock()
-                            .insert(endpoint.clone(), PeerLink::new(endpoint.clone()));
-                        peers.insert(endpoint);
+                        peers.insert(endpoint.clone(), PeerLink::new(endpoint));
                         Ok(true)
                     }
                     Err(source) => Err(PeerError::Register { endpoint, source }),
@@ -934,14 +928,13 @@ fn handle_command(shared: &Shared, socket: &zmq::Socket, cmd: Command) {
             let _ = reply.send(result);
         }
         Command::Deregister(endpoint, reply) => {
-            let mut peers = shared.peers.lock();
-            let result = if !peers.contains(&endpoint) {
+            let mut peers = shared.links.lock();
+            let result = if !peers.contains_key(&endpoint) {
                 Err(PeerError::NotFound { endpoint })
             } else {
                 match socket.disconnect(&endpoint) {
                     Ok(()) => {
                         tracing::info!(%endpoint, "replica-sync peer deregistered");
-                        shared.links.lock().remove(&endpoint);
                         peers.remove(&endpoint);
                         Ok(())
                     }
