@@ -1,8 +1,10 @@
 //! Body rejections of `http-api.md` §1.4 plus the bounds of `beyond-reference.md` #1/#9.
 //!
-//! Order, as in the reference's extractor: content type (415) → buffering (413) → JSON
-//! syntax (400) → shape (422). The nesting/array pre-scan runs before serde so that a hostile
+//! Order, as in the reference's extractor: content type (415) → buffering (413, or 408
+//! when the body stalls) → JSON syntax (400) → shape (422). The nesting/array pre-scan runs before serde so that a hostile
 //! body costs one linear pass and no allocation beyond the buffered bytes.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode, header};
@@ -22,6 +24,10 @@ pub struct BodyLimits {
     pub max_json_depth: usize,
     /// Maximum number of elements of any one JSON array (`token_ids` included).
     pub max_array_len: usize,
+    /// Longest wait for a whole body once the request head is in. A client that stalls
+    /// mid-body gets 408 and its connection is closed; without this, such a connection
+    /// held its descriptor for good (the head timeout ends with the head).
+    pub body_timeout: Duration,
 }
 
 impl Default for BodyLimits {
@@ -30,6 +36,7 @@ impl Default for BodyLimits {
             max_body_bytes: 8 * 1024 * 1024,
             max_json_depth: 32,
             max_array_len: 2 * 1024 * 1024,
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -87,7 +94,21 @@ where
     {
         return Err(too_large());
     }
-    match Limited::new(body, limits.max_body_bytes).collect().await {
+    let collected = tokio::time::timeout(
+        limits.body_timeout,
+        Limited::new(body, limits.max_body_bytes).collect(),
+    )
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {:?}",
+                limits.body_timeout
+            ),
+        )
+    })?;
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
         Err(e) => Err(ApiError::bad_request(format!(
@@ -287,6 +308,7 @@ mod tests {
             max_body_bytes: 1 << 20,
             max_json_depth: depth,
             max_array_len: len,
+            ..BodyLimits::default()
         }
     }
 

@@ -189,7 +189,8 @@ struct Cli {
     max_prompt_tokens: u64,
 
     /// Seconds an HTTP connection may take to send a whole request head, idle keep-alive
-    /// time included; slower (or silent) connections are closed (fractional accepted).
+    /// time included, and again to send its body; slower (or silent) connections are
+    /// closed, a stalled body with 408 (fractional accepted).
     #[arg(long, default_value = "30", value_parser = parse_positive_secs, value_name = "SECS")]
     http_header_timeout_secs: Duration,
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use select_server::config::{LogFormat, ServerConfig};
 use select_server::{
-    EdgeOptions, WorkersFileWatcher, build_service, recover_from_peers, router, serve,
+    BodyLimits, EdgeOptions, WorkersFileWatcher, build_service, recover_from_peers, router, serve,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -85,12 +85,18 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
 
     let addr = SocketAddr::new(cfg.host, cfg.port);
     let listener = tokio::net::TcpListener::bind(addr).await?;
+    // The bound address, not the requested one: `--port 0` takes a free port, and this line
+    // is how an operator (or a test harness) learns which.
+    let addr = listener.local_addr()?;
     tracing::info!(%addr, "kv-select listening");
     let routes = router(
         Arc::clone(&backend),
         EdgeOptions {
             auth: cfg.auth.clone(),
-            ..EdgeOptions::default()
+            limits: BodyLimits {
+                body_timeout: cfg.http_header_timeout,
+                ..BodyLimits::default()
+            },
         },
     );
     serve(listener, routes, cfg.http_header_timeout, shutdown_signal()).await?;

@@ -322,10 +322,17 @@ impl<B: Backend> Routes<B> {
                 json(StatusCode::OK, &StatusOk::OK)
             }
             (Route::Peers, Method::GET) => json(StatusCode::OK, &be.replica_peers().await?),
-            _ => Err(ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method not allowed",
-            )),
+            _ => {
+                let mut resp = error_response(&ApiError::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method not allowed",
+                ));
+                resp.headers_mut().insert(
+                    header::ALLOW,
+                    HeaderValue::from_static(allowed_methods(route)),
+                );
+                Ok(resp)
+            }
         }
     }
 
@@ -474,7 +481,38 @@ pub fn error_response(e: &ApiError) -> HttpResponse {
         resp.headers_mut()
             .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     }
+    if e.status == StatusCode::REQUEST_TIMEOUT {
+        // The rest of the body may still be on its way: the connection cannot carry
+        // another request.
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
     resp
+}
+
+/// The methods a known path answers, for the `Allow` header every 405 must carry
+/// (RFC 9110 §15.5.6). HEAD goes with GET, as `handle` serves it.
+fn allowed_methods(route: Route<'_>) -> &'static str {
+    match route {
+        Route::Workers => "GET, HEAD, POST",
+        Route::Worker(_) => "PATCH, DELETE",
+        Route::Reservation(_) => "DELETE",
+        Route::Health
+        | Route::Metrics
+        | Route::Ready
+        | Route::Loads
+        | Route::Dump
+        | Route::Peers => "GET, HEAD",
+        Route::Select
+        | Route::SelectAndReserve
+        | Route::Reservations
+        | Route::PrefillComplete(_)
+        | Route::OutputBlock(_)
+        | Route::PotentialLoads
+        | Route::OverlapScores
+        | Route::RegisterPeer
+        | Route::DeregisterPeer => "POST",
+    }
 }
 
 #[cfg(test)]

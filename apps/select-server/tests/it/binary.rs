@@ -721,3 +721,48 @@ fn a_client_that_disconnects_while_queued_leaves_nothing_behind() {
     );
     assert_eq!(status, 200, "the id was released: {again}");
 }
+
+/// `--port 0`: the OS picks a free port and the startup line names it, so an operator or
+/// a harness can find the server without racing for a port.
+#[test]
+fn port_zero_logs_the_port_it_bound() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_select-server"))
+        .args(["--host", "127.0.0.1", "--port", "0", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .env("DYN_ROUTER_USE_KV_EVENTS", "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Reads until the startup line (or the end of stderr); the channel's timeout bounds
+    // the wait.
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            if v["fields"]["message"] == "kv-select listening" {
+                let _ = tx.send(v["fields"]["addr"].as_str().unwrap_or("").to_owned());
+                return;
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(30));
+    let port = addr
+        .as_deref()
+        .ok()
+        .and_then(|a| a.strip_prefix("127.0.0.1:"))
+        .and_then(|p| p.parse::<u16>().ok());
+    let health = port.map(|p| crate::http::call(p, "GET", "/health", None));
+    let _ = child.kill();
+    let _ = child.wait();
+    let port = port.unwrap_or_else(|| panic!("startup line: {addr:?}"));
+    assert_ne!(port, 0);
+    assert_eq!(health.map(|(status, _)| status), Some(200));
+}

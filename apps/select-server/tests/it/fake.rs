@@ -236,11 +236,12 @@ pub(crate) struct Harness {
     pub(crate) options: EdgeOptions,
 }
 
-/// A response as status, content type and body text.
+/// A response as status, content type, `Allow` header and body text.
 #[derive(Debug)]
 pub(crate) struct Reply {
     pub(crate) status: StatusCode,
     pub(crate) content_type: String,
+    pub(crate) allow: Option<String>,
     pub(crate) body: String,
 }
 
@@ -278,12 +279,14 @@ impl Harness {
         let routes = router(Arc::clone(&self.fake), self.options.clone());
         let resp = routes.oneshot(req).await.expect("infallible");
         let status = resp.status();
-        let content_type = resp
-            .headers()
-            .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned();
+        let header = |name| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let content_type = header(http::header::CONTENT_TYPE).unwrap_or_default();
+        let allow = header(http::header::ALLOW);
         let bytes = resp
             .into_body()
             .collect()
@@ -293,6 +296,7 @@ impl Harness {
         Reply {
             status,
             content_type,
+            allow,
             body: String::from_utf8(bytes.to_vec()).expect("UTF-8 body"),
         }
     }

@@ -30,18 +30,24 @@ async fn health_and_fallbacks() {
         assert_eq!(r.status, StatusCode::NOT_FOUND, "{path}");
         assert_eq!(r.body, r#"{"error":"route not found"}"#, "{path}");
     }
-    for (method, path) in [
-        (Method::GET, "/select"),
-        (Method::DELETE, "/workers"),
-        (Method::GET, "/replica_sync/register_peer"),
-        (Method::POST, "/workers/7"),
-        (Method::PUT, "/reservations/x"),
-        (Method::POST, "/health"),
+    // Every 405 names what the path does answer (RFC 9110 §15.5.6).
+    for (method, path, allow) in [
+        (Method::GET, "/select", "POST"),
+        (Method::DELETE, "/workers", "GET, HEAD, POST"),
+        (Method::GET, "/replica_sync/register_peer", "POST"),
+        (Method::POST, "/workers/7", "PATCH, DELETE"),
+        (Method::PUT, "/reservations/x", "DELETE"),
+        (Method::GET, "/reservations/x/prefill_complete", "POST"),
+        (Method::POST, "/health", "GET, HEAD"),
+        (Method::DELETE, "/dump", "GET, HEAD"),
     ] {
         let r = h.bare(method.clone(), path).await;
         assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
         assert_eq!(r.body, r#"{"error":"method not allowed"}"#);
+        assert_eq!(r.allow.as_deref(), Some(allow), "{method} {path}");
     }
+    let r = h.bare(Method::GET, "/health").await;
+    assert_eq!(r.allow, None);
     assert!(h.fake.calls().is_empty());
 }
 

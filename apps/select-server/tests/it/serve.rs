@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use select_server::{EdgeOptions, read_workers_file, router, serve};
+use select_server::{BodyLimits, EdgeOptions, read_workers_file, router, serve};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -29,9 +29,16 @@ async fn serves_http1_on_loopback() {
     let addr = listener.local_addr().expect("addr");
     let fake = Arc::new(Fake::default());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let options = EdgeOptions {
+        limits: BodyLimits {
+            body_timeout: Duration::from_millis(300),
+            ..BodyLimits::default()
+        },
+        ..EdgeOptions::default()
+    };
     let server = tokio::spawn(serve(
         listener,
-        router(Arc::clone(&fake), EdgeOptions::default()),
+        router(Arc::clone(&fake), options),
         Duration::from_millis(300),
         async {
             let _ = stopped.await;
@@ -62,6 +69,24 @@ async fn serves_http1_on_loopback() {
             "{text}"
         );
     }
+
+    // A whole head, then a body that stops short: 408 and the connection is closed
+    // (it could not carry another request); the backend never sees it.
+    let resp = roundtrip(
+        addr,
+        "POST /workers HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+         Content-Length: 40\r\n\r\n{\"worker_id\":",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 408 Request Timeout"), "{resp}");
+    assert!(
+        resp.to_ascii_lowercase().contains("connection: close"),
+        "{resp}"
+    );
+    assert!(
+        resp.contains("the request body did not arrive within"),
+        "{resp}"
+    );
 
     let resp = roundtrip(
         addr,
