@@ -5,8 +5,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
 use kv_types::{SequenceHash, WorkerId, WorkerKey};
-use rustc_hash::FxHashMap;
 
 use crate::rank::{ROOT, RankState};
 use crate::slots::{LoadRow, RankSlot, RankTable, SlotLayout};
@@ -250,7 +252,11 @@ struct Booking {
 pub struct Ledger {
     config: LedgerConfig,
     ranks: RankTable,
-    bookings: FxHashMap<ReservationId, Booking>,
+    /// Keyed by ids that clients (and peer replicas) choose: SipHash with a per-process
+    /// key, so ids cannot be picked to collide. Under an unkeyed hash a client could book
+    /// ids that share a probe sequence and make every lookup under the partition's ledger
+    /// lock scan all of them.
+    bookings: HashMap<ReservationId, Booking>,
     next_seq: u64,
 }
 
@@ -331,9 +337,15 @@ impl Ledger {
         origin: Origin,
         now: Instant,
     ) -> Result<BookingSeq, LedgerError> {
-        if self.bookings.contains_key(&id) {
-            return Err(LedgerError::DuplicateReservation { id });
-        }
+        // One hash of the id for the check and the insert.
+        let vacant = match self.bookings.entry(id) {
+            Entry::Occupied(e) => {
+                return Err(LedgerError::DuplicateReservation {
+                    id: e.key().clone(),
+                });
+            }
+            Entry::Vacant(v) => v,
+        };
         if let Some(p) = req.effective_prefill_tokens
             && p > req.isl
         {
@@ -358,26 +370,23 @@ impl Ledger {
         rank.requests += 1;
         let seq = BookingSeq(self.next_seq);
         self.next_seq += 1;
-        self.bookings.insert(
-            id,
-            Booking {
-                worker: req.worker,
-                seq,
-                origin,
-                admitted_at: now,
-                last_node,
-                path_len: req.tracking_hashes.len() as u32,
-                prefill_tokens,
-                prefill_completed: false,
-                track_prefill_tokens: req.track_prefill_tokens,
-                isl: req.isl,
-                out_full: 0,
-                out_decayed: 0,
-                out_frac: 1.0,
-                expected_output_tokens: req.expected_output_tokens,
-                lora_name: req.lora_name.clone(),
-            },
-        );
+        vacant.insert(Booking {
+            worker: req.worker,
+            seq,
+            origin,
+            admitted_at: now,
+            last_node,
+            path_len: req.tracking_hashes.len() as u32,
+            prefill_tokens,
+            prefill_completed: false,
+            track_prefill_tokens: req.track_prefill_tokens,
+            isl: req.isl,
+            out_full: 0,
+            out_decayed: 0,
+            out_frac: 1.0,
+            expected_output_tokens: req.expected_output_tokens,
+            lora_name: req.lora_name.clone(),
+        });
         Ok(seq)
     }
 
