@@ -90,5 +90,5 @@ pub use listener::{
     ListenerError, ListenerGroup, ListenerState,
 };
 pub use normalize::{FilterReason, Normalizer};
-pub use stats::{DropReason, ListenerStats, UNREACHABLE_AFTER_RETRIES};
+pub use stats::{DropReason, ListenerStats, ReasonTotals, UNREACHABLE_AFTER_RETRIES};
 pub use watermark::{SeqObservation, Watermark};

@@ -25,7 +25,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::decode::{FrameError, parse_live_frames, parse_seq};
 use crate::endpoint::{EndpointError, validate_endpoint};
 use crate::normalize::{LogLimiter, Normalizer};
-use crate::stats::{DropReason, ListenerStats};
+use crate::stats::{DropReason, ListenerStats, ReasonTotals};
 use crate::watermark::{SeqObservation, Watermark};
 use zmq_monitor::Monitor;
 
@@ -83,6 +83,8 @@ pub struct ListenerConfig {
     pub start_open: bool,
     /// Watermark to resume from (an unchanged re-registration keeps it); `None` = fresh.
     pub initial_watermark: Option<u64>,
+    /// Service-wide drop and filter totals this listener adds to (see [`ReasonTotals`]).
+    pub totals: Option<Arc<ReasonTotals>>,
 }
 
 impl ListenerConfig {
@@ -96,7 +98,14 @@ impl ListenerConfig {
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             start_open: true,
             initial_watermark: None,
+            totals: None,
         }
+    }
+
+    /// Also counts this listener's drops and filters into `totals`, shared with others.
+    pub fn with_totals(mut self, totals: Arc<ReasonTotals>) -> Self {
+        self.totals = Some(totals);
+        self
     }
 
     pub fn with_replay_endpoint(mut self, endpoint: impl Into<String>) -> Self {
@@ -315,7 +324,7 @@ impl KvEventListener {
             watermark: AtomicU64::new(config.initial_watermark.unwrap_or(u64::MAX)),
             state: Mutex::new(ListenerState::Running),
             ended: Condvar::new(),
-            stats: Arc::new(ListenerStats::default()),
+            stats: Arc::new(ListenerStats::with_totals(config.totals.clone())),
         });
         let worker = Worker {
             ctx: ctx.clone(),
@@ -337,8 +346,9 @@ impl KvEventListener {
             sink,
             shared: Arc::clone(&shared),
             ops: Vec::new(),
-            drop_log: LogLimiter::default(),
+            drop_log: Default::default(),
             stale_log: LogLimiter::default(),
+            loss_log: LogLimiter::default(),
         };
         let inner = &group.inner;
         inner.shared.listeners.fetch_add(1, Ordering::AcqRel);
@@ -775,6 +785,11 @@ fn read_guarded(worker: &mut Worker, registry: &mio::Registry) -> Option<Listene
 struct Replay {
     start: u64,
     end: u64,
+    /// The first seq of `[start, end)` not already accounted for (an undecodable batch
+    /// counted as dropped is not lost again).
+    from: u64,
+    /// Replayed seqs of `[from, end)` applied or counted as dropped: the rest are lost.
+    taken: u64,
     deadline: Instant,
     first: Option<u64>,
     last: Option<u64>,
@@ -817,8 +832,12 @@ struct Worker {
     /// every later batch reports a gap over it again; only seqs past this one are lost.
     accounted: Option<u64>,
     ops: Vec<KvOperation>,
-    drop_log: LogLimiter,
+    /// One limiter per drop reason: a shared one hid a new reason behind the count of an
+    /// old one (only occurrences 1-3 and powers of two are logged).
+    drop_log: [LogLimiter; DropReason::ALL.len()],
     stale_log: LogLimiter,
+    /// Gaps that lost batches and replays that came back incomplete.
+    loss_log: LogLimiter,
 }
 
 impl Drop for Worker {
@@ -986,6 +1005,8 @@ impl Worker {
             ListenerStats::add(&self.shared.stats.stale_batches, 1);
             if self.stale_log.allow() {
                 tracing::warn!(
+                    worker_id = self.config.worker.worker_id.0,
+                    dp_rank = self.config.worker.dp_rank.0,
                     seq,
                     watermark = ?self.watermark.last(),
                     occurrences = self.stale_log.count(),
@@ -999,11 +1020,14 @@ impl Worker {
 
     fn drop_message(&mut self, reason: DropReason, err: &dyn std::fmt::Display) {
         self.shared.stats.count_drop(reason);
-        if self.drop_log.allow() {
+        let log = &mut self.drop_log[reason.index()];
+        if log.allow() {
             tracing::warn!(
+                worker_id = self.config.worker.worker_id.0,
+                dp_rank = self.config.worker.dp_rank.0,
                 reason = reason.as_str(),
                 error = %err,
-                occurrences = self.drop_log.count(),
+                occurrences = log.count(),
                 "KV-event message dropped"
             );
         }
@@ -1072,18 +1096,28 @@ impl Worker {
         held: (u64, Vec<zmq::Message>),
     ) -> Result<(), Vec<zmq::Message>> {
         if self.config.replay_endpoint.is_none() {
-            self.count_lost(start, end);
-            tracing::warn!(
-                start,
-                end,
-                "KV-event sequence gap and no replay endpoint: batches lost"
-            );
+            let lost = self.count_lost(start, end);
+            if lost > 0 && self.loss_log.allow() {
+                tracing::warn!(
+                    worker_id = self.config.worker.worker_id.0,
+                    dp_rank = self.config.worker.dp_rank.0,
+                    start,
+                    end,
+                    lost,
+                    occurrences = self.loss_log.count(),
+                    "KV-event sequence gap and no replay endpoint: batches lost"
+                );
+            }
             return Err(held.1);
         }
         ListenerStats::add(&self.shared.stats.replays_requested, 1);
         let replay = Replay {
             start,
             end,
+            from: self
+                .accounted
+                .map_or(start, |a| start.max(a.saturating_add(1))),
+            taken: 0,
             deadline: Instant::now() + self.config.replay_timeout,
             first: None,
             last: None,
@@ -1093,9 +1127,21 @@ impl Worker {
         let sent = match self.ensure_dealer(registry) {
             Ok(dealer) => dealer
                 .send_multipart([&b""[..], &start.to_be_bytes()[..]], 0)
-                .map_err(|e| tracing::warn!(error = %e, "replay request could not be sent")),
+                .map_err(|e| {
+                    tracing::warn!(
+                        worker_id = self.config.worker.worker_id.0,
+                        dp_rank = self.config.worker.dp_rank.0,
+                        error = %e,
+                        "replay request could not be sent"
+                    );
+                }),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot open the replay socket");
+                tracing::warn!(
+                    worker_id = self.config.worker.worker_id.0,
+                    dp_rank = self.config.worker.dp_rank.0,
+                    error = %e,
+                    "cannot open the replay socket"
+                );
                 Err(())
             }
         };
@@ -1141,6 +1187,11 @@ impl Worker {
         if self.watermark.observe(seq) == SeqObservation::Stale {
             return;
         }
+        if let Mode::Replaying(r) = &mut self.mode
+            && (r.from..r.end).contains(&seq)
+        {
+            r.taken += 1;
+        }
         self.apply(seq, payload);
     }
 
@@ -1168,6 +1219,8 @@ impl Worker {
         let Replay {
             start,
             end,
+            from,
+            taken,
             first,
             last,
             contiguous,
@@ -1194,16 +1247,25 @@ impl Worker {
                 (_, Some(l)) if l < end - 1 => "ended_before_target",
                 _ => "ended_abnormally",
             };
-            let from = self.watermark.last().map_or(start, |w| (w + 1).max(start));
-            let lost = self.count_lost(from, end);
-            tracing::warn!(
-                start,
-                end,
-                defect,
-                outcome = ?outcome,
-                lost,
-                "KV-event replay incomplete; live ingestion continues"
-            );
+            // Every missing seq the replay did not bring: before its first batch, between
+            // its batches and after its last (counting only the tail lost holes before and
+            // between, which the later batches had moved past).
+            let lost = (end - from).saturating_sub(taken);
+            ListenerStats::add(&stats.batches_lost, lost);
+            self.account(end - 1);
+            if self.loss_log.allow() {
+                tracing::warn!(
+                    worker_id = self.config.worker.worker_id.0,
+                    dp_rank = self.config.worker.dp_rank.0,
+                    start,
+                    end,
+                    defect,
+                    outcome = ?outcome,
+                    lost,
+                    occurrences = self.loss_log.count(),
+                    "KV-event replay incomplete; live ingestion continues"
+                );
+            }
         }
         if outcome != ReplayEnd::Marker
             && let Some(dealer) = self.dealer.take()

@@ -1,5 +1,6 @@
 //! Per-listener counters the service exports (e.g. to Prometheus, labelled per worker).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::decode::{DecodeError, FrameError};
@@ -79,6 +80,27 @@ impl From<&DecodeError> for DropReason {
 /// connects, or a few failed handshakes with something that is not a ZMQ publisher.
 pub const UNREACHABLE_AFTER_RETRIES: u64 = 3;
 
+/// Drops and filters by reason over many listeners, for a service-wide total that never
+/// goes down: a sum over the live listeners' [`ListenerStats`] fell whenever a listener
+/// was removed (a worker deleted, an endpoint changed), which `rate()` reads as a reset.
+/// Share one through [`crate::ListenerConfig::with_totals`]; every listener given it adds
+/// its drops and filters to it as they happen.
+#[derive(Debug, Default)]
+pub struct ReasonTotals {
+    dropped: [AtomicU64; DropReason::ALL.len()],
+    filtered: [AtomicU64; FilterReason::ALL.len()],
+}
+
+impl ReasonTotals {
+    pub fn dropped(&self, reason: DropReason) -> u64 {
+        self.dropped[reason.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn filtered(&self, reason: FilterReason) -> u64 {
+        self.filtered[reason.index()].load(Ordering::Relaxed)
+    }
+}
+
 /// Monotonic counters of one listener, and its connection state. All relaxed atomics: they are statistics, read
 /// without coordination by the metrics exporter.
 #[derive(Debug, Default)]
@@ -117,9 +139,17 @@ pub struct ListenerStats {
     pub retries_since_connected: AtomicU64,
     dropped: [AtomicU64; DropReason::ALL.len()],
     filtered: [AtomicU64; FilterReason::ALL.len()],
+    totals: Option<Arc<ReasonTotals>>,
 }
 
 impl ListenerStats {
+    pub(crate) fn with_totals(totals: Option<Arc<ReasonTotals>>) -> Self {
+        Self {
+            totals,
+            ..Self::default()
+        }
+    }
+
     pub fn dropped(&self, reason: DropReason) -> u64 {
         self.dropped[reason.index()].load(Ordering::Relaxed)
     }
@@ -135,10 +165,16 @@ impl ListenerStats {
 
     pub(crate) fn count_drop(&self, reason: DropReason) {
         self.dropped[reason.index()].fetch_add(1, Ordering::Relaxed);
+        if let Some(t) = &self.totals {
+            t.dropped[reason.index()].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn count_filter(&self, reason: FilterReason) {
         self.filtered[reason.index()].fetch_add(1, Ordering::Relaxed);
+        if let Some(t) = &self.totals {
+            t.filtered[reason.index()].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {

@@ -291,6 +291,12 @@ impl SelectionCore {
         self.ingress.stats()
     }
 
+    /// Drops and filters by reason over every KV listener this core has run, removed
+    /// ones included: monotonic, unlike a sum over [`Self::listener_stats`].
+    pub fn listener_totals(&self) -> &kv_events::ReasonTotals {
+        self.ingress.totals()
+    }
+
     /// The (worker, rank) listeners that receive no events because they failed (a socket
     /// error, or an endpoint libzmq refused at connect), in key order. The worker's catalog
     /// record says why, in `warnings`.
@@ -1029,8 +1035,20 @@ impl SelectionCore {
                     req.partition.routing_group.clone(),
                     id.clone(),
                 );
-                let evicted = self.pending.lock().insert(key, value, Instant::now());
-                self.metrics.pending_evictions.inc_by(evicted as u64);
+                let dropped = self.pending.lock().insert(key, value, Instant::now());
+                self.metrics
+                    .pending_evictions
+                    .inc_by(dropped.evicted as u64);
+                self.metrics.pending_expired.inc_by(dropped.expired as u64);
+                if dropped.evicted + dropped.expired > 0 {
+                    // Routine (selections a router never reserved), so only at debug; the
+                    // counters carry the rate.
+                    tracing::debug!(
+                        expired = dropped.expired,
+                        evicted = dropped.evicted,
+                        "pending selections dropped"
+                    );
+                }
             }
             Ok(SelectResponse {
                 // The request's own id (or the generated one) moves into the answer; the

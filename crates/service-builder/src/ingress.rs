@@ -245,6 +245,8 @@ pub(crate) struct Ingress {
     groups: GroupPool,
     sink: Arc<dyn IngressSink>,
     replay_timeout: Duration,
+    /// Drops and filters of every listener this ingress ever ran, by reason.
+    totals: Arc<kv_events::ReasonTotals>,
     listeners: Mutex<HashMap<WorkerKey, Registered>>,
     /// Listeners start consuming only once the service is ready (after startup recovery).
     open: AtomicBool,
@@ -268,6 +270,7 @@ impl Ingress {
             ),
             sink,
             replay_timeout,
+            totals: Arc::default(),
             listeners: Mutex::new(HashMap::new()),
             open: AtomicBool::new(true),
         }
@@ -383,7 +386,8 @@ impl Ingress {
         let rank = key.dp_rank.0;
         let block_size = record.block_size.unwrap_or(0);
         let mut cfg = ListenerConfig::new(key, ep.to_owned(), block_size)
-            .with_replay_timeout(self.replay_timeout);
+            .with_replay_timeout(self.replay_timeout)
+            .with_totals(Arc::clone(&self.totals));
         match &record.replay_endpoint {
             Some(replay) if private_endpoint(replay).is_some() => {
                 tracing::warn!(
@@ -498,6 +502,10 @@ impl Ingress {
     }
 
     /// Per-listener statistics for `/metrics`.
+    pub(crate) fn totals(&self) -> &kv_events::ReasonTotals {
+        &self.totals
+    }
+
     pub(crate) fn stats(&self) -> Vec<(WorkerKey, Arc<ListenerStats>)> {
         let listeners = self.listeners.lock();
         let mut out: Vec<(WorkerKey, Arc<ListenerStats>)> = listeners

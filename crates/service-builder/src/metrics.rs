@@ -226,6 +226,7 @@ pub struct CoreMetrics {
     pub(crate) bookings: Counter,
     pub(crate) selection_errors: Counter,
     pub(crate) pending_evictions: Counter,
+    pub(crate) pending_expired: Counter,
     pub(crate) expired_reservations: Counter,
     pub(crate) reservations_rejected_full: Counter,
     pub(crate) frees: Counter,
@@ -255,6 +256,7 @@ impl Default for CoreMetrics {
             bookings: Counter::default(),
             selection_errors: Counter::default(),
             pending_evictions: Counter::default(),
+            pending_expired: Counter::default(),
             expired_reservations: Counter::default(),
             reservations_rejected_full: Counter::default(),
             frees: Counter::default(),
@@ -287,6 +289,10 @@ impl CoreMetrics {
     /// Pending selections evicted from the cache for space.
     pub fn pending_evictions(&self) -> u64 {
         self.pending_evictions.get()
+    }
+    /// Pending selections dropped after their TTL without a reservation.
+    pub fn pending_expired(&self) -> u64 {
+        self.pending_expired.get()
     }
     /// Bookings reclaimed by expiry.
     pub fn expired_reservations(&self) -> u64 {
@@ -333,6 +339,11 @@ impl CoreMetrics {
                 "pending_selection_evictions",
                 "Pending selections evicted for space",
                 &self.pending_evictions,
+            ),
+            (
+                "pending_selections_expired",
+                "Pending selections dropped after their TTL without a reservation",
+                &self.pending_expired,
             ),
             (
                 "expired_reservations",
@@ -654,6 +665,7 @@ fn encode_replica(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt:
 
 fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
     let stats = core.listener_stats();
+    let totals = core.listener_totals();
     let rank = |k: &kv_types::WorkerKey| -> [(&'static str, u64); 2] {
         [
             ("worker_id", k.worker_id.0),
@@ -770,20 +782,14 @@ fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fm
         "kv_dropped_batches_by_reason",
         "KV event batches dropped over all listeners, by reason.",
         MetricType::Counter,
-        kv_events::DropReason::ALL.map(|r| {
-            let total = stats.iter().map(|(_, s)| s.dropped(r)).sum::<u64>();
-            ([("reason", r.as_str())], total)
-        }),
+        kv_events::DropReason::ALL.map(|r| ([("reason", r.as_str())], totals.dropped(r))),
     )?;
     rows(
         enc,
         "kv_filtered_events_by_reason",
         "KV events filtered out over all listeners, by reason.",
         MetricType::Counter,
-        kv_events::FilterReason::ALL.map(|r| {
-            let total = stats.iter().map(|(_, s)| s.filtered(r)).sum::<u64>();
-            ([("reason", r.as_str())], total)
-        }),
+        kv_events::FilterReason::ALL.map(|r| ([("reason", r.as_str())], totals.filtered(r))),
     )
 }
 

@@ -85,14 +85,15 @@ impl PendingCache {
     }
 
     /// Inserts (latest wins), after sweeping expired entries; then evicts oldest-first
-    /// until within bounds. Returns how many entries were evicted for space.
+    /// until within bounds. Returns what went: entries past their TTL (never replayed)
+    /// and entries evicted for space.
     pub(crate) fn insert(
         &mut self,
         key: PendingKey,
         value: PendingSelection,
         now: Instant,
-    ) -> usize {
-        self.sweep(now);
+    ) -> Dropped {
+        let expired = self.sweep(now);
         let bytes = entry_size(&key, &value);
         self.remove_key(&key);
         let generation = self.next_generation;
@@ -118,7 +119,7 @@ impl PendingCache {
                 evicted += 1;
             }
         }
-        evicted
+        Dropped { expired, evicted }
     }
 
     /// A live entry and its generation; entries older than the TTL count as absent.
@@ -153,7 +154,9 @@ impl PendingCache {
         }
     }
 
-    fn sweep(&mut self, now: Instant) {
+    /// Removes the entries past their TTL; returns how many.
+    fn sweep(&mut self, now: Instant) -> usize {
+        let mut swept = 0;
         while let Some((&generation, key)) = self.order.first_key_value() {
             let expired = self
                 .entries
@@ -166,9 +169,20 @@ impl PendingCache {
             self.order.remove(&generation);
             if let Some(e) = self.entries.remove(&key) {
                 self.bytes -= e.bytes;
+                swept += 1;
             }
         }
+        swept
     }
+}
+
+/// The entries an [`PendingCache::insert`] removed besides the one it replaced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Dropped {
+    /// Past the TTL: selected, never replayed.
+    pub(crate) expired: usize,
+    /// Oldest first, to stay within the entry and byte limits.
+    pub(crate) evicted: usize,
 }
 
 /// The spec's size estimate of an entry, in bytes.
@@ -237,7 +251,14 @@ mod tests {
         assert!(c.get(&key("a"), t0 + Duration::from_secs(10)).is_some());
         assert!(c.get(&key("a"), t0 + Duration::from_secs(11)).is_none());
         assert_eq!(c.len(), 1);
-        c.insert(key("b"), value(1, 4), t0 + Duration::from_secs(11));
+        let dropped = c.insert(key("b"), value(1, 4), t0 + Duration::from_secs(11));
+        assert_eq!(
+            dropped,
+            Dropped {
+                expired: 1,
+                evicted: 0
+            }
+        );
         assert_eq!(c.len(), 1);
     }
 
@@ -252,7 +273,13 @@ mod tests {
         c.insert(key("c"), value(1, 1), t0);
         assert!(c.get(&key("a"), t0).is_none());
         assert_eq!(c.bytes(), 35 + 11);
-        assert_eq!(c.insert(key("huge"), value(1, 1000), t0), 3);
+        assert_eq!(
+            c.insert(key("huge"), value(1, 1000), t0),
+            Dropped {
+                expired: 0,
+                evicted: 3
+            }
+        );
         assert_eq!(c.len(), 0);
         assert_eq!(c.bytes(), 0);
     }

@@ -291,6 +291,41 @@ fn replay_without_topic_frame_and_initial_gap() {
     assert_eq!(get(&listener.stats().replays_complete), 1);
 }
 
+/// A replay that skips seqs (the engine's ring lost them): the holes before and between
+/// the replayed batches are lost and counted once, an undecodable batch counted as dropped
+/// is not counted lost too, and the live batch that revealed the gap is applied after.
+#[test]
+fn replay_with_holes_counts_each_missing_batch_as_lost() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let replay = ReplayServer::start(&ctx, true);
+    let (sink, rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(8, 0), ep, 4)
+        .with_replay_endpoint(replay.endpoint.clone());
+    let listener = KvEventListener::start(config, sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
+    publish(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
+    assert_eq!(rx.next()[0].event_id, 1);
+    // Seq 2 arrives but does not decode: dropped, counted under its reason.
+    publish(&publisher, 2, b"\x93\x01\xdd\xff\xff\xff\xff");
+    let stats = Arc::clone(listener.stats());
+    wait_until(|| stats.dropped(DropReason::MalformedMsgpack) == 1);
+    {
+        let mut ring = replay.ring.lock();
+        ring.insert(3, batch(vec![stored(&[3], None)]));
+        ring.insert(5, batch(vec![stored(&[5], None)]));
+    }
+    // Live seq 6: gap [2, 6); the ring has 3 and 5 only, so 4 is lost.
+    publish(&publisher, 6, &batch(vec![stored(&[6], None)]));
+    let ids: Vec<u64> = (0..3).map(|_| rx.next()[0].event_id).collect();
+    assert_eq!(ids, vec![3, 5, 6]);
+    assert_eq!(get(&stats.replays_incomplete), 1);
+    assert_eq!(get(&stats.batches_lost), 1);
+    assert_eq!(stats.dropped(DropReason::MalformedMsgpack), 1);
+    assert_eq!(listener.watermark(), Some(6));
+    listener.stop();
+}
+
 #[test]
 fn replay_that_never_answers_times_out_and_live_continues() {
     let ctx = zmq::Context::new();

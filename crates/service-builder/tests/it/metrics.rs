@@ -200,7 +200,45 @@ fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() 
     );
     // Replica series appear only with replica sync.
     assert!(!text.contains("kv_select_replica_"), "{text}");
+    // The worker goes, and its listener with it: its own rows end, the service-wide
+    // totals keep what it counted (a counter never goes down).
+    c.delete_worker(2).unwrap();
+    let text = encode(&registry);
+    assert!(
+        !text.contains(r#"kv_select_kv_dropped_batches_total{worker_id="2""#),
+        "{text}"
+    );
+    has(
+        &text,
+        r#"kv_select_kv_dropped_batches_by_reason_total{reason="wrong_frame_count"} 1"#,
+    );
     c.shutdown();
+}
+
+/// A selection never reserved within the cache TTL is dropped, and counted, when the next
+/// selection sweeps the cache.
+#[test]
+fn pending_selections_past_their_ttl_are_counted_as_expired() {
+    let mut config = super::approx_config();
+    config.selection_cache.ttl = Duration::from_millis(50);
+    let c = core(config);
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    c.upsert_worker(worker(1)).unwrap();
+    let with_id = |id: &str| SelectRequest {
+        selection_id: Some(id.into()),
+        ..select(tokens(16))
+    };
+    c.select(with_id("a")).unwrap();
+    c.select(with_id("b")).unwrap();
+    assert_eq!(c.metrics().pending_expired(), 0);
+    std::thread::sleep(Duration::from_millis(120));
+    c.select(with_id("c")).unwrap();
+    assert_eq!(c.metrics().pending_expired(), 2);
+    assert_eq!(c.metrics().pending_evictions(), 0);
+    let text = encode(&registry);
+    has(&text, "kv_select_pending_selections_expired_total 2");
+    has(&text, "kv_select_pending_selections 1");
 }
 
 #[test]
