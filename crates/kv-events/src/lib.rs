@@ -89,6 +89,6 @@ pub use listener::{
     DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_REPLAY_TIMEOUT, KvEventListener, KvEventSink, ListenerConfig,
     ListenerError, ListenerGroup, ListenerState,
 };
-pub use normalize::{FilterReason, Normalizer};
+pub use normalize::{FilterReason, Normalizer, TruncateReason};
 pub use stats::{DropReason, ListenerStats, ReasonTotals, UNREACHABLE_AFTER_RETRIES};
 pub use watermark::{SeqObservation, Watermark};

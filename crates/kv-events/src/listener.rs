@@ -1041,11 +1041,14 @@ impl Worker {
         let res = self
             .normalizer
             .process_payload(payload, seq, &mut self.ops, |r| stats.count_filter(r));
+        let truncated = self.normalizer.take_truncated();
         if let Err(e) = res {
             self.drop_message(DropReason::from(&e), &e);
             self.account(seq);
             return false;
         }
+        // Counted before the sink sees the batch, so whoever sees it sees the counts.
+        stats.count_truncated(truncated);
         self.sink.apply(&self.ops);
         let blocks: usize = self
             .ops

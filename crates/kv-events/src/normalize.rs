@@ -65,6 +65,40 @@ impl FilterReason {
     }
 }
 
+/// Why blocks of an accepted `BlockStored` were not stored (§7.1): the event is applied,
+/// but these blocks are not, so they are counted apart from whole-event filters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TruncateReason {
+    /// The event's `block_size` is not the worker's registered one: every block.
+    BlockSizeMismatch,
+    /// Fewer tokens than the listed blocks need: the blocks past the last complete window.
+    MissingTokens,
+    /// A block hash repeats (or repeats the parent): the whole store is a no-op.
+    SelfReference,
+}
+
+impl TruncateReason {
+    pub const ALL: [TruncateReason; 3] = [
+        TruncateReason::BlockSizeMismatch,
+        TruncateReason::MissingTokens,
+        TruncateReason::SelfReference,
+    ];
+
+    /// The metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            TruncateReason::BlockSizeMismatch => "block_size_mismatch",
+            TruncateReason::MissingTokens => "missing_tokens",
+            TruncateReason::SelfReference => "self_reference",
+        }
+    }
+
+    /// Dense index into [`Self::ALL`], for counter arrays.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Cache namespace of one external block hash (§6.4).
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Namespace {
@@ -106,9 +140,17 @@ pub struct Normalizer {
     self_ref_log: LogLimiter,
     scratch_hashes: Vec<BlockHash>,
     scratch_sorted: Vec<u64>,
+    /// Blocks not stored since the last [`Self::take_truncated`], by [`TruncateReason`].
+    truncated: [u64; TruncateReason::ALL.len()],
 }
 
 impl Normalizer {
+    /// The blocks dropped from stores (by [`TruncateReason::index`]) since the last call,
+    /// and resets them. A caller that discards a batch after an error discards these too.
+    pub fn take_truncated(&mut self) -> [u64; TruncateReason::ALL.len()] {
+        std::mem::take(&mut self.truncated)
+    }
+
     /// `block_size` is the worker's registered block size, used for re-hashing stored tokens.
     pub fn new(worker: WorkerKey, block_size: u32) -> Self {
         Self {
@@ -122,6 +164,7 @@ impl Normalizer {
             self_ref_log: LogLimiter::default(),
             scratch_hashes: Vec::new(),
             scratch_sorted: Vec::new(),
+            truncated: [0; TruncateReason::ALL.len()],
         }
     }
 
@@ -299,6 +342,7 @@ impl Normalizer {
     /// §7.1: self-reference check, block-size check, re-hashing of every complete block.
     fn convert_stored(&mut self, ev: &BlockStored<'_>, salt: Option<&str>) -> KvOperationKind {
         if self.has_self_reference(ev) {
+            self.truncated[TruncateReason::SelfReference.index()] += ev.block_hashes.len() as u64;
             if self.self_ref_log.allow() {
                 tracing::warn!(
                     worker_id = self.worker_id.0,
@@ -321,11 +365,17 @@ impl Normalizer {
                 );
             }
             self.block_size_log.allow();
+            self.truncated[TruncateReason::BlockSizeMismatch.index()] +=
+                ev.block_hashes.len() as u64;
             0
         } else {
-            ev.block_hashes
-                .len()
-                .min(window_count(ev.token_ids.len(), b, ev.is_eagle))
+            let complete =
+                ev.block_hashes
+                    .len()
+                    .min(window_count(ev.token_ids.len(), b, ev.is_eagle));
+            self.truncated[TruncateReason::MissingTokens.index()] +=
+                (ev.block_hashes.len() - complete) as u64;
+            complete
         };
         let mut blocks = Vec::with_capacity(count);
         if count > 0 {
@@ -462,6 +512,39 @@ mod tests {
         assert!(msg.topic.is_empty());
         let (ops, _) = run(&mut normalizer(), msg.payload);
         assert_eq!(ops.len(), 1);
+    }
+
+    /// Blocks an applied store leaves out are counted by reason, once, and reset by
+    /// `take_truncated`.
+    #[test]
+    fn truncated_blocks_are_counted_by_reason() {
+        // One positional BlockStored: hashes, parent nil, tokens, block size, lora nil, GPU.
+        let store = |hashes: &str, tokens: &str, block_size: &str| {
+            hex(&format!(
+                "93 cb 3f f8 00 00 00 00 00 00 91 97 ab 42 6c 6f 63 6b 53 74 6f 72 65 64
+                 {hashes} c0 {tokens} {block_size} c0 a3 47 50 55 00"
+            ))
+        };
+        let eight_tokens = "98 01 02 03 04 05 06 07 08";
+        let counts = |payload: &[u8]| {
+            let mut n = normalizer();
+            let (ops, _) = run(&mut n, payload);
+            assert_eq!(ops.len(), 1);
+            let counts = n.take_truncated();
+            assert_eq!(n.take_truncated(), [0; 3], "reset");
+            counts
+        };
+        let idx = |r: TruncateReason| r.index();
+        let mut want = [0; 3];
+        assert_eq!(counts(&store("92 65 66", eight_tokens, "04")), want);
+        want[idx(TruncateReason::BlockSizeMismatch)] = 2;
+        assert_eq!(counts(&store("92 65 66", eight_tokens, "08")), want);
+        want = [0; 3];
+        want[idx(TruncateReason::MissingTokens)] = 1;
+        assert_eq!(counts(&store("92 65 66", "94 01 02 03 04", "04")), want);
+        want = [0; 3];
+        want[idx(TruncateReason::SelfReference)] = 2;
+        assert_eq!(counts(&store("92 65 65", eight_tokens, "04")), want);
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::decode::{DecodeError, FrameError};
-use crate::normalize::FilterReason;
+use crate::normalize::{FilterReason, TruncateReason};
 
 /// Why a whole live or replayed message was dropped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,6 +89,7 @@ pub const UNREACHABLE_AFTER_RETRIES: u64 = 3;
 pub struct ReasonTotals {
     dropped: [AtomicU64; DropReason::ALL.len()],
     filtered: [AtomicU64; FilterReason::ALL.len()],
+    truncated: [AtomicU64; TruncateReason::ALL.len()],
 }
 
 impl ReasonTotals {
@@ -98,6 +99,10 @@ impl ReasonTotals {
 
     pub fn filtered(&self, reason: FilterReason) -> u64 {
         self.filtered[reason.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn truncated(&self, reason: TruncateReason) -> u64 {
+        self.truncated[reason.index()].load(Ordering::Relaxed)
     }
 }
 
@@ -139,6 +144,8 @@ pub struct ListenerStats {
     pub retries_since_connected: AtomicU64,
     dropped: [AtomicU64; DropReason::ALL.len()],
     filtered: [AtomicU64; FilterReason::ALL.len()],
+    /// Blocks of applied stores that were not stored, by [`TruncateReason`].
+    truncated: [AtomicU64; TruncateReason::ALL.len()],
     totals: Option<Arc<ReasonTotals>>,
 }
 
@@ -167,6 +174,21 @@ impl ListenerStats {
         self.dropped[reason.index()].fetch_add(1, Ordering::Relaxed);
         if let Some(t) = &self.totals {
             t.dropped[reason.index()].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Blocks of applied stores that were not stored, for `reason`.
+    pub fn truncated(&self, reason: TruncateReason) -> u64 {
+        self.truncated[reason.index()].load(Ordering::Relaxed)
+    }
+
+    /// Adds [`crate::Normalizer::take_truncated`]'s counts.
+    pub(crate) fn count_truncated(&self, counts: [u64; TruncateReason::ALL.len()]) {
+        for (i, n) in counts.into_iter().enumerate().filter(|&(_, n)| n > 0) {
+            self.truncated[i].fetch_add(n, Ordering::Relaxed);
+            if let Some(t) = &self.totals {
+                t.truncated[i].fetch_add(n, Ordering::Relaxed);
+            }
         }
     }
 

@@ -779,6 +779,26 @@ fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fm
     )?;
     rows(
         enc,
+        "kv_truncated_blocks",
+        "Blocks of applied KV stores that were not stored, by reason (a row once its count \
+         is above 0).",
+        MetricType::Counter,
+        stats.iter().flat_map(|(k, s)| {
+            kv_events::TruncateReason::ALL
+                .into_iter()
+                .map(move |r| ((rank(k), [("reason", r.as_str())]), s.truncated(r)))
+                .filter(|(_, v)| *v > 0)
+        }),
+    )?;
+    rows(
+        enc,
+        "kv_truncated_blocks_by_reason",
+        "Blocks of applied KV stores that were not stored over all listeners, by reason.",
+        MetricType::Counter,
+        kv_events::TruncateReason::ALL.map(|r| ([("reason", r.as_str())], totals.truncated(r))),
+    )?;
+    rows(
+        enc,
         "kv_dropped_batches_by_reason",
         "KV event batches dropped over all listeners, by reason.",
         MetricType::Counter,

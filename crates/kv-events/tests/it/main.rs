@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use kv_events::{
     DropReason, KvEventListener, ListenerConfig, ListenerGroup, ListenerState, ListenerStats,
+    ReasonTotals, TruncateReason,
 };
 use kv_types::{ExternalHash, KvOperation, KvOperationKind, WorkerKey};
 use parking_lot::Mutex;
@@ -323,6 +324,27 @@ fn replay_with_holes_counts_each_missing_batch_as_lost() {
     assert_eq!(get(&stats.batches_lost), 1);
     assert_eq!(stats.dropped(DropReason::MalformedMsgpack), 1);
     assert_eq!(listener.watermark(), Some(6));
+    listener.stop();
+}
+
+/// Blocks an applied store leaves out reach the listener's counters and the shared
+/// totals; a store whose blocks all go in counts nothing.
+#[test]
+fn truncated_store_blocks_are_counted_per_listener_and_in_the_totals() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let totals = Arc::new(ReasonTotals::default());
+    let config = ListenerConfig::new(WorkerKey::new(9, 0), ep, 4).with_totals(Arc::clone(&totals));
+    let listener = KvEventListener::start(config, sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1, 2], None)]));
+    // A repeated hash: applied as a no-op, both blocks left out.
+    publish(&publisher, 1, &batch(vec![stored(&[3, 3], Some(2))]));
+    assert_eq!(rx.next()[0].event_id, 1);
+    let stats = listener.stats();
+    assert_eq!(stats.truncated(TruncateReason::SelfReference), 2);
+    assert_eq!(totals.truncated(TruncateReason::SelfReference), 2);
+    assert_eq!(totals.truncated(TruncateReason::MissingTokens), 0);
     listener.stop();
 }
 
