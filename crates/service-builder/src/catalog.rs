@@ -195,10 +195,12 @@ impl PartitionKey {
 
 impl std::fmt::Display for PartitionKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Client-chosen names, escaped: a newline in one must not start a forged log line.
         write!(
             f,
             "model={} routing_group={}",
-            self.model_name, self.routing_group
+            self.model_name.escape_debug(),
+            self.routing_group.escape_debug()
         )
     }
 }
@@ -243,6 +245,18 @@ impl WorkerCatalogRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn partition_display_escapes_control_characters() {
+        assert_eq!(
+            PartitionKey::new("llama", "default").to_string(),
+            "model=llama routing_group=default"
+        );
+        assert_eq!(
+            PartitionKey::new("m\nINFO forged", "g").to_string(),
+            "model=m\\nINFO forged routing_group=g"
+        );
+    }
 
     fn complete() -> WorkerRequest {
         WorkerRequest {

@@ -553,8 +553,9 @@ impl SelectionCore {
         {
             tracing::info!(
                 worker_id = out.worker.worker_id,
-                model_name = %out.worker.model_name,
-                routing_group = %out.worker.routing_group,
+                // Escaped: client-chosen names must not break a text log line in two.
+                model_name = %out.worker.model_name.escape_debug(),
+                routing_group = %out.worker.routing_group.escape_debug(),
                 lifecycle = out.lifecycle.as_str(),
                 reasons = ?out.not_schedulable_reasons,
                 "worker registered"
