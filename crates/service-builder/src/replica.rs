@@ -129,23 +129,28 @@ impl SelectionCore {
     /// Applies one event received from a replica peer (§5–§7).
     pub fn apply_replica_event(&self, event: ReplicaEvent) {
         let stats = self.replica_stats();
-        let count = |c: &AtomicU64| {
-            c.fetch_add(1, Ordering::Relaxed);
+        // Counted always; logged for the first three of a reason, then at powers of two, so
+        // a peer that keeps sending what we cannot apply is seen without flooding the log.
+        let count = |c: &AtomicU64, reason: &'static str| {
+            let n = c.fetch_add(1, Ordering::Relaxed) + 1;
+            if n <= 3 || n.is_power_of_two() {
+                tracing::warn!(reason, occurrences = n, "replica event dropped");
+            }
         };
         match event {
             ReplicaEvent::Sequence(e) => {
                 let key = PartitionKey::new(e.model_name.clone(), e.routing_group.clone());
                 let Some(p) = self.partition(&key) else {
-                    return count(&stats.unknown_partition);
+                    return count(&stats.unknown_partition, "unknown_partition");
                 };
                 if p.block_size != e.block_size {
-                    return count(&stats.block_size_mismatch);
+                    return count(&stats.block_size_mismatch, "block_size_mismatch");
                 }
                 let now = Instant::now();
                 match e.kind {
                     SequenceEventKind::AddRequest(a) => {
                         if !p.schedules(e.worker.worker_id.0, Some(e.worker.dp_rank.0)) {
-                            return count(&stats.unknown_worker);
+                            return count(&stats.unknown_worker, "unknown_worker");
                         }
                         // Only a booking live in this partition's tracker makes it a
                         // duplicate (below): a stale row is replaced, and a row of another
@@ -172,12 +177,12 @@ impl SelectionCore {
                         match booked {
                             Ok(_) => {
                                 self.install_mirrored_row(&e.request_id, &p);
-                                count(&stats.applied);
+                                stats.applied.fetch_add(1, Ordering::Relaxed);
                             }
                             Err(LedgerError::DuplicateReservation { .. }) => {
-                                count(&stats.duplicate_request)
+                                count(&stats.duplicate_request, "duplicate_request")
                             }
-                            Err(_) => count(&stats.unknown_worker),
+                            Err(_) => count(&stats.unknown_worker, "unknown_worker"),
                         }
                     }
                     // The ledger's guard ends with each `let`: the queue re-check takes
@@ -189,9 +194,9 @@ impl SelectionCore {
                             Ok(_) => {
                                 self.drop_mirrored_row(&e.request_id, &p, now);
                                 self.recheck_queue(&p);
-                                count(&stats.applied);
+                                stats.applied.fetch_add(1, Ordering::Relaxed);
                             }
-                            Err(_) => count(&stats.not_live),
+                            Err(_) => count(&stats.not_live, "not_live"),
                         }
                     }
                     SequenceEventKind::MarkPrefillCompleted => {
@@ -204,9 +209,9 @@ impl SelectionCore {
                                 // Freed prefill capacity wakes the queue, as a local
                                 // completion does (service-semantics §11).
                                 self.recheck_queue(&p);
-                                count(&stats.applied);
+                                stats.applied.fetch_add(1, Ordering::Relaxed);
                             }
-                            Err(_) => count(&stats.not_live),
+                            Err(_) => count(&stats.not_live, "not_live"),
                         }
                     }
                 }
@@ -214,10 +219,10 @@ impl SelectionCore {
             ReplicaEvent::Binding(b) => {
                 let key = PartitionKey::new(b.model_name.clone(), b.routing_group.clone());
                 let Some(p) = self.partition(&key) else {
-                    return count(&stats.unknown_partition);
+                    return count(&stats.unknown_partition, "unknown_partition");
                 };
                 let Some(table) = p.sessions() else {
-                    return count(&stats.affinity_disabled);
+                    return count(&stats.affinity_disabled, "affinity_disabled");
                 };
                 // §7.3 step 3 comes before the checks that may drop the event.
                 table.observe_sequence(b.sequence);
@@ -228,10 +233,10 @@ impl SelectionCore {
                 // Step 4: the worker is in the catalog and in this partition, whatever its
                 // lifecycle (a selection checks the target is schedulable before using it).
                 if !self.catalog_places(target.worker_id, &key) {
-                    return count(&stats.unknown_worker);
+                    return count(&stats.unknown_worker, "unknown_worker");
                 }
                 if b.session_id.len() > crate::session::MAX_SESSION_ID_BYTES {
-                    return count(&stats.invalid_session);
+                    return count(&stats.invalid_session, "invalid_session");
                 }
                 let update = BindingUpdate {
                     session_id: b.session_id,
@@ -240,9 +245,9 @@ impl SelectionCore {
                     ttl: std::time::Duration::ZERO,
                 };
                 if self.apply_remote_binding(&key, &update) {
-                    count(&stats.applied);
+                    stats.applied.fetch_add(1, Ordering::Relaxed);
                 } else {
-                    count(&stats.stale_binding);
+                    count(&stats.stale_binding, "stale_binding");
                 }
             }
         }
