@@ -193,6 +193,12 @@ struct Cli {
     /// closed, a stalled body with 408 (fractional accepted).
     #[arg(long, default_value = "30", value_parser = parse_positive_secs, value_name = "SECS")]
     http_header_timeout_secs: Duration,
+
+    /// Seconds a KV listener waits for an engine's gap replay before abandoning it (the
+    /// missing batches are then counted lost) and going on with live events (fractional
+    /// accepted).
+    #[arg(long, default_value = "5", value_parser = parse_positive_secs, value_name = "SECS")]
+    kv_replay_timeout_secs: Duration,
 }
 
 /// Everything the process was configured with. Plain data; `Default` equals the spec defaults.
@@ -225,6 +231,8 @@ pub struct ServerConfig {
     pub max_prompt_tokens: u64,
     /// `--http-header-timeout-secs`.
     pub http_header_timeout: Duration,
+    /// `--kv-replay-timeout-secs`.
+    pub kv_replay_timeout: Duration,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
@@ -268,6 +276,7 @@ impl Default for ServerConfig {
             max_active_reservations: None,
             max_prompt_tokens: 1_000_000,
             http_header_timeout: Duration::from_secs(30),
+            kv_replay_timeout: Duration::from_secs(5),
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             policy_classes: None,
@@ -473,6 +482,7 @@ impl ServerConfig {
             max_active_reservations: cli.max_active_reservations,
             max_prompt_tokens: cli.max_prompt_tokens,
             http_header_timeout: cli.http_header_timeout_secs,
+            kv_replay_timeout: cli.kv_replay_timeout_secs,
             router,
             policy_names,
             policy_classes: file.and_then(|f| f.classes),
@@ -866,7 +876,16 @@ mod tests {
         assert_eq!(cfg.router.disk_cache_hit_weight, 0.25);
         assert_eq!(cfg.active_request_expiry, Duration::from_secs(300));
         assert_eq!(cfg.overlap_refresh_after, Some(Duration::from_secs(10)));
+        assert_eq!(cfg.kv_replay_timeout, Duration::from_secs(5));
         assert!(cfg.warnings.is_empty());
+    }
+
+    #[test]
+    fn kv_replay_timeout_takes_positive_fractional_seconds() {
+        let cfg = parse(&["--kv-replay-timeout-secs", "0.5"], &[]).unwrap();
+        assert_eq!(cfg.kv_replay_timeout, Duration::from_millis(500));
+        err(&["--kv-replay-timeout-secs", "0"], &[]);
+        err(&["--kv-replay-timeout-secs", "soon"], &[]);
     }
 
     #[test]

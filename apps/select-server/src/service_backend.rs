@@ -547,6 +547,7 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
         max_prompt_tokens: usize::try_from(cfg.max_prompt_tokens).unwrap_or(usize::MAX),
         policy_classes: cfg.policy_classes.clone(),
         overlap_refresh_after: cfg.overlap_refresh_after,
+        replay_timeout: cfg.kv_replay_timeout,
         ..service_builder::CoreConfig::default()
     };
     let mut builder = service_builder::SelectionServiceBuilder::new(core);
