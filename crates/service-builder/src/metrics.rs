@@ -751,66 +751,65 @@ fn encode_listeners(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fm
     // Per listener, a reason appears once it has happened: with every reason of every
     // listener at 0, 5,000 event-driven workers made a 9 MB, 105 k-line scrape (past the
     // sample limits scrapers commonly set), and 1,200 took 2.2 MB (0.39 MB now). The
-    // service-wide totals below are always there for `rate()` and alerts; these rows say
-    // which worker it was.
-    rows(
-        enc,
-        "kv_dropped_batches",
-        "KV event batches dropped, by reason (a row once its count is above 0).",
-        MetricType::Counter,
-        stats.iter().flat_map(|(k, s)| {
-            kv_events::DropReason::ALL
-                .into_iter()
-                .map(move |r| ((rank(k), [("reason", r.as_str())]), s.dropped(r)))
-                .filter(|(_, v)| *v > 0)
-        }),
-    )?;
-    rows(
-        enc,
-        "kv_filtered_events",
-        "KV events filtered out, by reason (a row once its count is above 0).",
-        MetricType::Counter,
-        stats.iter().flat_map(|(k, s)| {
-            kv_events::FilterReason::ALL
-                .into_iter()
-                .map(move |r| ((rank(k), [("reason", r.as_str())]), s.filtered(r)))
-                .filter(|(_, v)| *v > 0)
-        }),
-    )?;
-    rows(
-        enc,
-        "kv_truncated_blocks",
-        "Blocks of applied KV stores that were not stored, by reason (a row once its count \
-         is above 0).",
-        MetricType::Counter,
-        stats.iter().flat_map(|(k, s)| {
-            kv_events::TruncateReason::ALL
-                .into_iter()
-                .map(move |r| ((rank(k), [("reason", r.as_str())]), s.truncated(r)))
-                .filter(|(_, v)| *v > 0)
-        }),
-    )?;
-    rows(
-        enc,
-        "kv_truncated_blocks_by_reason",
-        "Blocks of applied KV stores that were not stored over all listeners, by reason.",
-        MetricType::Counter,
-        kv_events::TruncateReason::ALL.map(|r| ([("reason", r.as_str())], totals.truncated(r))),
-    )?;
-    rows(
-        enc,
-        "kv_dropped_batches_by_reason",
-        "KV event batches dropped over all listeners, by reason.",
-        MetricType::Counter,
-        kv_events::DropReason::ALL.map(|r| ([("reason", r.as_str())], totals.dropped(r))),
-    )?;
-    rows(
-        enc,
-        "kv_filtered_events_by_reason",
-        "KV events filtered out over all listeners, by reason.",
-        MetricType::Counter,
-        kv_events::FilterReason::ALL.map(|r| ([("reason", r.as_str())], totals.filtered(r))),
-    )
+    // service-wide `_by_reason` totals are always there for `rate()` and alerts (and never
+    // fall when a listener goes); the per-listener rows say which worker it was.
+    struct ByReason<'a> {
+        name: &'a str,
+        what: &'a str,
+        labels: &'a [&'static str],
+        of: fn(&kv_events::ListenerStats, usize) -> u64,
+        total: fn(&kv_events::ReasonTotals, usize) -> u64,
+    }
+    use kv_events::{DropReason, FilterReason, TruncateReason};
+    let families = [
+        ByReason {
+            name: "kv_dropped_batches",
+            what: "KV event batches dropped",
+            labels: &DropReason::ALL.map(DropReason::as_str),
+            of: |s, i| s.dropped(DropReason::ALL[i]),
+            total: |t, i| t.dropped(DropReason::ALL[i]),
+        },
+        ByReason {
+            name: "kv_filtered_events",
+            what: "KV events filtered out",
+            labels: &FilterReason::ALL.map(FilterReason::as_str),
+            of: |s, i| s.filtered(FilterReason::ALL[i]),
+            total: |t, i| t.filtered(FilterReason::ALL[i]),
+        },
+        ByReason {
+            name: "kv_truncated_blocks",
+            what: "Blocks of applied KV stores that were not stored",
+            labels: &TruncateReason::ALL.map(TruncateReason::as_str),
+            of: |s, i| s.truncated(TruncateReason::ALL[i]),
+            total: |t, i| t.truncated(TruncateReason::ALL[i]),
+        },
+    ];
+    for f in &families {
+        rows(
+            enc,
+            f.name,
+            &format!("{}, by reason (a row once its count is above 0).", f.what),
+            MetricType::Counter,
+            stats.iter().flat_map(|(k, s)| {
+                f.labels
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &r)| ((rank(k), [("reason", r)]), (f.of)(s, i)))
+                    .filter(|(_, v)| *v > 0)
+            }),
+        )?;
+        rows(
+            enc,
+            &format!("{}_by_reason", f.name),
+            &format!("{} over all listeners, by reason.", f.what),
+            MetricType::Counter,
+            f.labels
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| ([("reason", r)], (f.total)(totals, i))),
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
