@@ -1253,7 +1253,7 @@ impl Worker {
             // Every missing seq the replay did not bring: before its first batch, between
             // its batches and after its last (counting only the tail lost holes before and
             // between, which the later batches had moved past).
-            let lost = (end - from).saturating_sub(taken);
+            let lost = end.saturating_sub(from).saturating_sub(taken);
             ListenerStats::add(&stats.batches_lost, lost);
             self.account(end - 1);
             if self.loss_log.allow() {

@@ -327,6 +327,42 @@ fn replay_with_holes_counts_each_missing_batch_as_lost() {
     listener.stop();
 }
 
+/// Undecodable batches a replay brought past the gap it was asked for are accounted for:
+/// a later incomplete replay of a gap they already cover counts nothing lost (and does not
+/// underflow), and ingestion goes on.
+#[test]
+fn an_incomplete_replay_of_seqs_already_dropped_loses_nothing() {
+    let bad: &[u8] = b"\x93\x01\xdd\xff\xff\xff\xff";
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let replay = ReplayServer::start(&ctx, true);
+    let (sink, rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(10, 0), ep, 4)
+        .with_replay_endpoint(replay.endpoint.clone());
+    let listener = KvEventListener::start(config, sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
+    publish(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
+    assert_eq!(rx.next()[0].event_id, 1);
+    {
+        let mut ring = replay.ring.lock();
+        ring.insert(2, batch(vec![stored(&[3], Some(2))]));
+        ring.insert(3, bad.to_vec());
+        ring.insert(4, bad.to_vec());
+    }
+    // Live 3 (undecodable too) reveals the gap [2, 3); the replay brings 2, 3 and 4.
+    publish(&publisher, 3, bad);
+    assert_eq!(rx.next()[0].event_id, 2);
+    let stats = Arc::clone(listener.stats());
+    wait_until(|| stats.dropped(DropReason::MalformedMsgpack) == 3);
+    // Live 4 reveals the gap [3, 4) over seqs already dropped; the engine now has only 4.
+    replay.ring.lock().remove(&3);
+    publish(&publisher, 4, &batch(vec![stored(&[5], None)]));
+    assert_eq!(rx.next()[0].event_id, 4);
+    assert_eq!(get(&stats.replays_incomplete), 1);
+    assert_eq!(get(&stats.batches_lost), 0);
+    listener.stop();
+}
+
 /// Blocks an applied store leaves out reach the listener's counters and the shared
 /// totals; a store whose blocks all go in counts nothing.
 #[test]
