@@ -1361,7 +1361,19 @@ impl SelectionCore {
                 Hold::Init => {
                     return Some(SessionGuard::held(table, sid, GuardState::Init, mesh()));
                 }
-                Hold::Full => return Some(SessionGuard::none()),
+                Hold::Full => {
+                    self.metrics.session_affinity_skipped.inc();
+                    let n = self.metrics.session_affinity_skipped.get();
+                    if n <= 3 || n.is_power_of_two() {
+                        tracing::warn!(
+                            partition = %partition.key,
+                            occurrences = n,
+                            "session booked without affinity: the partition's session table \
+                             is full, or the session's first booking is stuck"
+                        );
+                    }
+                    return Some(SessionGuard::none());
+                }
                 Hold::Busy => return None,
                 Hold::Bound(target) if partition.schedules(target.worker_id, target.dp_rank) => {
                     let state = GuardState::Bound(target);

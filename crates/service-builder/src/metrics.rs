@@ -227,6 +227,7 @@ pub struct CoreMetrics {
     pub(crate) selection_errors: Counter,
     pub(crate) pending_evictions: Counter,
     pub(crate) pending_expired: Counter,
+    pub(crate) session_affinity_skipped: Counter,
     pub(crate) expired_reservations: Counter,
     pub(crate) reservations_rejected_full: Counter,
     pub(crate) frees: Counter,
@@ -257,6 +258,7 @@ impl Default for CoreMetrics {
             selection_errors: Counter::default(),
             pending_evictions: Counter::default(),
             pending_expired: Counter::default(),
+            session_affinity_skipped: Counter::default(),
             expired_reservations: Counter::default(),
             reservations_rejected_full: Counter::default(),
             frees: Counter::default(),
@@ -293,6 +295,10 @@ impl CoreMetrics {
     /// Pending selections dropped after their TTL without a reservation.
     pub fn pending_expired(&self) -> u64 {
         self.pending_expired.get()
+    }
+    /// Session bookings that went ahead without affinity (full table, stuck initializer).
+    pub fn session_affinity_skipped(&self) -> u64 {
+        self.session_affinity_skipped.get()
     }
     /// Bookings reclaimed by expiry.
     pub fn expired_reservations(&self) -> u64 {
@@ -344,6 +350,12 @@ impl CoreMetrics {
                 "pending_selections_expired",
                 "Pending selections dropped after their TTL without a reservation",
                 &self.pending_expired,
+            ),
+            (
+                "session_affinity_skipped",
+                "Bookings of a session that went ahead without affinity: its partition's \
+                 session table was full, or the session's first booking was stuck",
+                &self.session_affinity_skipped,
             ),
             (
                 "expired_reservations",

@@ -778,6 +778,44 @@ fn with_session(sid: &str, n: u32) -> SelectRequest {
     }
 }
 
+/// A session table at its 65,536 bindings still serves a new session, without affinity,
+/// and says so in a counter (not silently).
+#[test]
+fn a_full_session_table_books_without_affinity_and_counts_it() {
+    use replica_sync::{ReplicaEvent, RouterId, SessionBinding};
+    let c = affinity_core();
+    c.upsert_worker(worker(1)).unwrap();
+    // Peer bindings fill the table fastest.
+    for i in 0..service_builder::MAX_SESSIONS_PER_TABLE {
+        c.apply_replica_event(ReplicaEvent::Binding(SessionBinding {
+            model_name: PartitionKey::default().model_name,
+            routing_group: PartitionKey::default().routing_group,
+            session_id: format!("s{i}"),
+            worker_id: kv_types::WorkerId(1),
+            dp_rank: None,
+            sequence: 1,
+            writer_id: RouterId(77),
+        }));
+    }
+    assert_eq!(c.session_count(), service_builder::MAX_SESSIONS_PER_TABLE);
+    assert_eq!(c.metrics().session_affinity_skipped(), 0);
+    let req = SelectRequest {
+        selection_id: Some("new".into()),
+        ..with_session("new-session", 8)
+    };
+    assert_eq!(c.select_and_reserve(req).unwrap().worker_id, 1);
+    assert_eq!(c.metrics().session_affinity_skipped(), 1);
+    assert_eq!(c.session_count(), service_builder::MAX_SESSIONS_PER_TABLE);
+    // A session that is bound keeps its affinity.
+    let req = SelectRequest {
+        selection_id: Some("old".into()),
+        ..with_session("s7", 8)
+    };
+    c.select_and_reserve(req).unwrap();
+    assert_eq!(c.metrics().session_affinity_skipped(), 1);
+    c.shutdown();
+}
+
 /// replica-sync §7.3 step 4: a peer's binding needs its worker in the local catalog and in
 /// the partition, whatever the worker's lifecycle; an over-long session id is its own drop.
 #[test]
