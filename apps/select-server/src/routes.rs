@@ -10,6 +10,10 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Body;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use serde::Serialize;
 
 use crate::auth::{Access, AccessTokens};
@@ -43,10 +47,11 @@ impl std::fmt::Debug for EdgeOptions {
     }
 }
 
-/// The HTTP routes over a backend. Cheap to clone (two `Arc`s).
+/// The HTTP routes over a backend. Cheap to clone (three `Arc`s).
 pub struct Routes<B> {
     backend: Arc<B>,
     options: Arc<EdgeOptions>,
+    edge: Arc<EdgeMetrics>,
 }
 
 impl<B> Clone for Routes<B> {
@@ -54,6 +59,51 @@ impl<B> Clone for Routes<B> {
         Self {
             backend: Arc::clone(&self.backend),
             options: Arc::clone(&self.options),
+            edge: Arc::clone(&self.edge),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabels {
+    status: u16,
+}
+
+/// Every response by status code, counted at the edge: requests refused before they reach
+/// the service (401, 403, 404, 405, 408, 413, 415, body errors) appear nowhere else.
+struct EdgeMetrics {
+    registry: Registry,
+    responses: Family<StatusLabels, Counter>,
+}
+
+impl EdgeMetrics {
+    fn new() -> Self {
+        let mut registry = Registry::default();
+        let responses = Family::<StatusLabels, Counter>::default();
+        registry.sub_registry_with_prefix("kv_select").register(
+            "http_responses",
+            "HTTP responses by status code, including requests refused before the service \
+             (authentication, routing, body limits)",
+            responses.clone(),
+        );
+        Self {
+            registry,
+            responses,
+        }
+    }
+
+    fn count(&self, status: StatusCode) {
+        self.responses
+            .get_or_create(&StatusLabels {
+                status: status.as_u16(),
+            })
+            .inc();
+    }
+
+    /// Appends the edge's series to `text`, the backend's exposition.
+    fn encode_into(&self, text: &mut String) {
+        if let Err(e) = prometheus_client::encoding::prometheus_text::encode(text, &self.registry) {
+            tracing::warn!(error = %e, "encoding the HTTP edge metrics failed");
         }
     }
 }
@@ -71,6 +121,7 @@ pub fn router<B: Backend>(backend: Arc<B>, options: EdgeOptions) -> Routes<B> {
     Routes {
         backend,
         options: Arc::new(options),
+        edge: Arc::new(EdgeMetrics::new()),
     }
 }
 
@@ -101,6 +152,7 @@ where
                 Ok(r) => r,
                 Err(e) => error_response(&e),
             };
+            this.edge.count(response.status());
             tracing::debug!(%method, %path, status = response.status().as_u16(), "request");
             Ok(response)
         })
@@ -218,7 +270,11 @@ impl<B: Backend> Routes<B> {
 
         match (route, method) {
             (Route::Health, Method::GET) => json(StatusCode::OK, &StatusOk::OK),
-            (Route::Metrics, Method::GET) => Ok(metrics_response(be.metrics_text())),
+            (Route::Metrics, Method::GET) => {
+                let mut text = be.metrics_text();
+                self.edge.encode_into(&mut text);
+                Ok(metrics_response(text))
+            }
             (Route::Workers, Method::POST) => {
                 let req = json_body!(WorkerRequest);
                 json(StatusCode::CREATED, &be.upsert_worker(req).await?)

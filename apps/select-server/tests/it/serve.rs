@@ -112,6 +112,21 @@ async fn serves_http1_on_loopback() {
             .contains("content-type: application/json")
     );
 
+    // Every response so far, by status, the 408 the service never saw included.
+    let resp = roundtrip(
+        addr,
+        "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    for line in [
+        r#"kv_select_http_responses_total{status="200"} 2"#,
+        r#"kv_select_http_responses_total{status="201"} 1"#,
+        r#"kv_select_http_responses_total{status="408"} 1"#,
+        "# TYPE kv_select_http_responses_total counter",
+    ] {
+        assert!(resp.lines().any(|l| l == line), "no `{line}` in {resp}");
+    }
+
     stop.send(()).expect("server still running");
     tokio::time::timeout(Duration::from_secs(10), server)
         .await
