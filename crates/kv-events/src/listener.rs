@@ -83,7 +83,8 @@ pub struct ListenerConfig {
     pub start_open: bool,
     /// Watermark to resume from (an unchanged re-registration keeps it); `None` = fresh.
     pub initial_watermark: Option<u64>,
-    /// Service-wide drop and filter totals this listener adds to (see [`ReasonTotals`]).
+    /// Service-wide drop, filter and truncation totals this listener adds to (see
+    /// [`ReasonTotals`]).
     pub totals: Option<Arc<ReasonTotals>>,
 }
 
@@ -102,7 +103,8 @@ impl ListenerConfig {
         }
     }
 
-    /// Also counts this listener's drops and filters into `totals`, shared with others.
+    /// Also counts this listener's drops, filters and truncations into `totals`, shared
+    /// with others.
     pub fn with_totals(mut self, totals: Arc<ReasonTotals>) -> Self {
         self.totals = Some(totals);
         self
@@ -1121,7 +1123,10 @@ impl Worker {
                 .accounted
                 .map_or(start, |a| start.max(a.saturating_add(1))),
             taken: 0,
-            deadline: Instant::now() + self.config.replay_timeout,
+            // A timeout too large for the clock (an embedder's choice) waits a year.
+            deadline: Instant::now()
+                .checked_add(self.config.replay_timeout)
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400)),
             first: None,
             last: None,
             contiguous: true,
@@ -1190,8 +1195,11 @@ impl Worker {
         if self.watermark.observe(seq) == SeqObservation::Stale {
             return;
         }
+        // Each seq once: an undecodable batch leaves the watermark below it, so a second
+        // copy is not stale, but it was accounted for (dropped) the first time.
         if let Mode::Replaying(r) = &mut self.mode
             && (r.from..r.end).contains(&seq)
+            && self.accounted.is_none_or(|a| seq > a)
         {
             r.taken += 1;
         }
@@ -1256,7 +1264,7 @@ impl Worker {
             let lost = end.saturating_sub(from).saturating_sub(taken);
             ListenerStats::add(&stats.batches_lost, lost);
             self.account(end - 1);
-            if self.loss_log.allow() {
+            if lost > 0 && self.loss_log.allow() {
                 tracing::warn!(
                     worker_id = self.config.worker.worker_id.0,
                     dp_rank = self.config.worker.dp_rank.0,

@@ -80,11 +80,11 @@ impl From<&DecodeError> for DropReason {
 /// connects, or a few failed handshakes with something that is not a ZMQ publisher.
 pub const UNREACHABLE_AFTER_RETRIES: u64 = 3;
 
-/// Drops and filters by reason over many listeners, for a service-wide total that never
+/// Drops, filters and truncations by reason over many listeners, for a service-wide total that never
 /// goes down: a sum over the live listeners' [`ListenerStats`] fell whenever a listener
 /// was removed (a worker deleted, an endpoint changed), which `rate()` reads as a reset.
 /// Share one through [`crate::ListenerConfig::with_totals`]; every listener given it adds
-/// its drops and filters to it as they happen.
+/// its drops, filters and truncated blocks to it as they happen.
 #[derive(Debug, Default)]
 pub struct ReasonTotals {
     dropped: [AtomicU64; DropReason::ALL.len()],

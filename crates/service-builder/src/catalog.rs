@@ -193,14 +193,31 @@ impl PartitionKey {
     }
 }
 
+impl PartitionKey {
+    /// The key for a log line: client-chosen names escaped, so a newline in one cannot
+    /// start a forged line. API messages use the plain `Display` (the contract's text).
+    pub fn for_log(&self) -> impl std::fmt::Display + '_ {
+        struct Escaped<'a>(&'a PartitionKey);
+        impl std::fmt::Display for Escaped<'_> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(
+                    f,
+                    "model={} routing_group={}",
+                    self.0.model_name.escape_debug(),
+                    self.0.routing_group.escape_debug()
+                )
+            }
+        }
+        Escaped(self)
+    }
+}
+
 impl std::fmt::Display for PartitionKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Client-chosen names, escaped: a newline in one must not start a forged log line.
         write!(
             f,
             "model={} routing_group={}",
-            self.model_name.escape_debug(),
-            self.routing_group.escape_debug()
+            self.model_name, self.routing_group
         )
     }
 }
@@ -247,14 +264,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn partition_display_escapes_control_characters() {
+    fn partition_display_is_raw_and_its_log_form_escaped() {
+        let key = PartitionKey::new("m\"q\nINFO forged", "g");
+        // The contract's messages carry the names as given (http-api §1).
+        assert_eq!(key.to_string(), "model=m\"q\nINFO forged routing_group=g");
         assert_eq!(
-            PartitionKey::new("llama", "default").to_string(),
-            "model=llama routing_group=default"
-        );
-        assert_eq!(
-            PartitionKey::new("m\nINFO forged", "g").to_string(),
-            "model=m\\nINFO forged routing_group=g"
+            key.for_log().to_string(),
+            "model=m\\\"q\\nINFO forged routing_group=g"
         );
     }
 

@@ -697,7 +697,7 @@ impl SelectionCore {
                 return fits.map(|()| Arc::clone(p));
             }
             tracing::warn!(
-                partition = %key,
+                partition = %key.for_log(),
                 recovered_block_size = p.block_size,
                 block_size,
                 is_eagle,
@@ -1362,16 +1362,7 @@ impl SelectionCore {
                     return Some(SessionGuard::held(table, sid, GuardState::Init, mesh()));
                 }
                 Hold::Full => {
-                    self.metrics.session_affinity_skipped.inc();
-                    let n = self.metrics.session_affinity_skipped.get();
-                    if n <= 3 || n.is_power_of_two() {
-                        tracing::warn!(
-                            partition = %partition.key,
-                            occurrences = n,
-                            "session booked without affinity: the partition's session table \
-                             is full, or the session's first booking is stuck"
-                        );
-                    }
+                    self.affinity_skipped(partition);
                     return Some(SessionGuard::none());
                 }
                 Hold::Busy => return None,
@@ -1385,7 +1376,22 @@ impl SelectionCore {
                 }
             }
         }
+        self.affinity_skipped(partition);
         Some(SessionGuard::none())
+    }
+
+    /// A session booking goes ahead without affinity: counted, and logged for the first
+    /// three, then at powers of two.
+    fn affinity_skipped(&self, partition: &Partition) {
+        let n = self.metrics.session_affinity_skipped.inc() + 1;
+        if n <= 3 || n.is_power_of_two() {
+            tracing::warn!(
+                partition = %partition.key.for_log(),
+                occurrences = n,
+                "session booked without affinity: the partition's session table is full, or \
+                 the session's first booking is stuck"
+            );
+        }
     }
 
     /// Hashes the prompt into `scratch` and looks up its overlap (moved out of `schedule`
@@ -1844,7 +1850,9 @@ impl SelectionCore {
         if req.worker_id.is_none() {
             return self.replay_reservation(req, &key, wait);
         }
-        self.pending.lock().discard(&key);
+        if self.pending.lock().discard(&key, Instant::now()) {
+            self.metrics.pending_expired.inc();
+        }
         let partition = self.ready_partition(&req.partition)?;
         let mut scratch = SelectScratch::default();
         let isl = self.normalize_prompt(
@@ -2100,6 +2108,8 @@ impl SelectionCore {
             p.index.write().expire(now, usize::MAX);
             self.recheck_queue(p);
         }
+        let swept = self.pending.lock().sweep(now);
+        self.metrics.pending_expired.inc_by(swept as u64);
         let mut rows = self.reservations.lock();
         rows.retain(|id, row| match row.state {
             RowState::Claimed => true,
@@ -2387,7 +2397,7 @@ impl SelectionCore {
                 Some(p) => {
                     if p.block_size != block_size {
                         tracing::warn!(
-                            partition = %key,
+                            partition = %key.for_log(),
                             block_size = p.block_size,
                             dump_block_size = block_size,
                             "recovering into an existing partition with another block size"

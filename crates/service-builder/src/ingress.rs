@@ -501,11 +501,12 @@ impl Ingress {
         out
     }
 
-    /// Per-listener statistics for `/metrics`.
+    /// Drops, filters and truncations of every listener this ingress ran, by reason.
     pub(crate) fn totals(&self) -> &kv_events::ReasonTotals {
         &self.totals
     }
 
+    /// Per-listener statistics for `/metrics`.
     pub(crate) fn stats(&self) -> Vec<(WorkerKey, Arc<ListenerStats>)> {
         let listeners = self.listeners.lock();
         let mut out: Vec<(WorkerKey, Arc<ListenerStats>)> = listeners

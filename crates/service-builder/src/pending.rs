@@ -142,9 +142,15 @@ impl PendingCache {
         }
     }
 
-    /// Unconditional discard (explicit reservations).
-    pub(crate) fn discard(&mut self, key: &PendingKey) {
+    /// Unconditional discard (explicit reservations). Returns whether the entry it removed
+    /// was already past its TTL (a selection that expired unused, for the counter).
+    pub(crate) fn discard(&mut self, key: &PendingKey, now: Instant) -> bool {
+        let expired = self
+            .entries
+            .get(key)
+            .is_some_and(|e| now.saturating_duration_since(e.inserted) > self.config.ttl);
         self.remove_key(key);
+        expired
     }
 
     fn remove_key(&mut self, key: &PendingKey) {
@@ -154,8 +160,10 @@ impl PendingCache {
         }
     }
 
-    /// Removes the entries past their TTL; returns how many.
-    fn sweep(&mut self, now: Instant) -> usize {
+    /// Removes the entries past their TTL; returns how many. Runs on every insert and in
+    /// the service's periodic expiry pass, so expired entries are counted without new
+    /// selections.
+    pub(crate) fn sweep(&mut self, now: Instant) -> usize {
         let mut swept = 0;
         while let Some((&generation, key)) = self.order.first_key_value() {
             let expired = self

@@ -149,6 +149,8 @@ fn hashes_of(op: &KvOperation) -> Vec<u64> {
 /// A test ROUTER answering replay requests from a shared ring of `seq → payload`.
 struct ReplayServer {
     ring: Arc<Mutex<BTreeMap<u64, Vec<u8>>>>,
+    /// Sends every answer twice (an engine that repeats itself).
+    twice: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     endpoint: String,
@@ -159,7 +161,8 @@ impl ReplayServer {
         let (router, endpoint) = bind_free(ctx, zmq::ROUTER);
         let ring = Arc::new(Mutex::new(BTreeMap::<u64, Vec<u8>>::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (r2, s2) = (Arc::clone(&ring), Arc::clone(&stop));
+        let twice = Arc::new(AtomicBool::new(false));
+        let (r2, s2, t2) = (Arc::clone(&ring), Arc::clone(&stop), Arc::clone(&twice));
         let thread = std::thread::spawn(move || {
             while !s2.load(Ordering::Acquire) {
                 if router.poll(zmq::POLLIN, 50).unwrap() == 0 {
@@ -179,14 +182,18 @@ impl ReplayServer {
                     }
                     .unwrap();
                 };
+                let copies = if t2.load(Ordering::Acquire) { 2 } else { 1 };
                 for (seq, payload) in r2.lock().range(start..) {
-                    reply(&seq.to_be_bytes(), payload);
+                    for _ in 0..copies {
+                        reply(&seq.to_be_bytes(), payload);
+                    }
                 }
                 reply(&(-1i64).to_be_bytes(), b"");
             }
         });
         Self {
             ring,
+            twice,
             stop,
             thread: Some(thread),
             endpoint,
@@ -360,6 +367,32 @@ fn an_incomplete_replay_of_seqs_already_dropped_loses_nothing() {
     assert_eq!(rx.next()[0].event_id, 4);
     assert_eq!(get(&stats.replays_incomplete), 1);
     assert_eq!(get(&stats.batches_lost), 0);
+    listener.stop();
+}
+
+/// A replay that repeats an undecodable batch: the copy is not counted as a second seq
+/// brought, so the seqs it never brought are all lost.
+#[test]
+fn a_repeated_bad_batch_in_a_replay_does_not_hide_lost_ones() {
+    let bad: &[u8] = b"\x93\x01\xdd\xff\xff\xff\xff";
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let replay = ReplayServer::start(&ctx, true);
+    replay.twice.store(true, Ordering::Release);
+    let (sink, rx) = Collector::new();
+    let config = ListenerConfig::new(WorkerKey::new(11, 0), ep, 4)
+        .with_replay_endpoint(replay.endpoint.clone());
+    let listener = KvEventListener::start(config, sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
+    publish(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
+    assert_eq!(rx.next()[0].event_id, 1);
+    replay.ring.lock().insert(2, bad.to_vec());
+    // Live 5: gap [2, 5); the engine sends 2 (undecodable) twice and nothing else.
+    publish(&publisher, 5, &batch(vec![stored(&[5], None)]));
+    assert_eq!(rx.next()[0].event_id, 5);
+    let stats = listener.stats();
+    assert_eq!(stats.dropped(DropReason::MalformedMsgpack), 2);
+    assert_eq!(get(&stats.batches_lost), 2, "seqs 3 and 4");
     listener.stop();
 }
 

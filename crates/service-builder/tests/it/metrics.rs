@@ -233,12 +233,29 @@ fn pending_selections_past_their_ttl_are_counted_as_expired() {
     c.select(with_id("b")).unwrap();
     assert_eq!(c.metrics().pending_expired(), 0);
     std::thread::sleep(Duration::from_millis(120));
+    // The next cached selection sweeps them.
     c.select(with_id("c")).unwrap();
     assert_eq!(c.metrics().pending_expired(), 2);
     assert_eq!(c.metrics().pending_evictions(), 0);
     let text = encode(&registry);
     has(&text, "kv_select_pending_selections_expired_total 2");
     has(&text, "kv_select_pending_selections 1");
+    // Without new selections, the periodic expiry pass does.
+    std::thread::sleep(Duration::from_millis(120));
+    c.expire(Instant::now());
+    assert_eq!(c.metrics().pending_expired(), 3);
+    assert_eq!(c.pending_selection_count().0, 0);
+    // An explicit reservation discarding an expired selection counts it too.
+    c.select(with_id("d")).unwrap();
+    std::thread::sleep(Duration::from_millis(120));
+    c.create_reservation(ReservationRequest {
+        selection_id: "d".into(),
+        worker_id: Some(1),
+        prompt: tokens(16),
+        ..ReservationRequest::default()
+    })
+    .unwrap();
+    assert_eq!(c.metrics().pending_expired(), 4);
 }
 
 #[test]
