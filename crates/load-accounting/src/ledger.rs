@@ -797,6 +797,16 @@ mod tests {
             l.book("c".into(), &too_big, SlotPolicy::CreateMissing, now),
             Err(LedgerError::PrefillExceedsIsl { .. })
         ));
+        // A taken id is reported first, whatever else is wrong, and nothing is booked.
+        assert!(matches!(
+            l.book("a".into(), &too_big, SlotPolicy::CreateMissing, now),
+            Err(LedgerError::DuplicateReservation { .. })
+        ));
+        assert!(matches!(
+            l.book("a".into(), &other, SlotPolicy::RequireRegistered, now),
+            Err(LedgerError::DuplicateReservation { .. })
+        ));
+        assert!(!l.contains("b") && !l.contains("c"));
         assert!(matches!(
             l.free_remote("a", WorkerKey::new(1, 1)),
             Err(LedgerError::WorkerMismatch { .. })

@@ -379,7 +379,7 @@ fn free_unseen(core: &Arc<SelectionCore>, selection_id: Option<String>) -> Optio
     let core = Arc::clone(core);
     Some(Box::new(move || {
         if core.free_reservation(&id).is_ok() {
-            tracing::debug!(selection_id = %id, "freed a booking its caller did not wait for");
+            tracing::debug!(selection_id = %id.escape_debug(), "freed a booking its caller did not wait for");
         }
     }))
 }
