@@ -220,7 +220,9 @@ fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() 
 #[test]
 fn pending_selections_past_their_ttl_are_counted_as_expired() {
     let mut config = super::approx_config();
-    config.selection_cache.ttl = Duration::from_millis(50);
+    // Wide margins: a stall of a loaded CI machine between two calls must not expire an
+    // entry early (500 ms), and every wait is past the TTL by 100 ms.
+    config.selection_cache.ttl = Duration::from_millis(500);
     let c = core(config);
     let mut registry = Registry::default();
     c.register_metrics(&mut registry);
@@ -232,7 +234,7 @@ fn pending_selections_past_their_ttl_are_counted_as_expired() {
     c.select(with_id("a")).unwrap();
     c.select(with_id("b")).unwrap();
     assert_eq!(c.metrics().pending_expired(), 0);
-    std::thread::sleep(Duration::from_millis(120));
+    std::thread::sleep(Duration::from_millis(600));
     // The next cached selection sweeps them.
     c.select(with_id("c")).unwrap();
     assert_eq!(c.metrics().pending_expired(), 2);
@@ -241,13 +243,13 @@ fn pending_selections_past_their_ttl_are_counted_as_expired() {
     has(&text, "kv_select_pending_selections_expired_total 2");
     has(&text, "kv_select_pending_selections 1");
     // Without new selections, the periodic expiry pass does.
-    std::thread::sleep(Duration::from_millis(120));
+    std::thread::sleep(Duration::from_millis(600));
     c.expire(Instant::now());
     assert_eq!(c.metrics().pending_expired(), 3);
     assert_eq!(c.pending_selection_count().0, 0);
     // An explicit reservation discarding an expired selection counts it too.
     c.select(with_id("d")).unwrap();
-    std::thread::sleep(Duration::from_millis(120));
+    std::thread::sleep(Duration::from_millis(600));
     c.create_reservation(ReservationRequest {
         selection_id: "d".into(),
         worker_id: Some(1),
