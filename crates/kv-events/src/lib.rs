@@ -28,8 +28,12 @@
 //! - A batch is applied whole or not at all; the watermark only advances past a batch whose
 //!   operations were handed to the sink.
 //! - Nothing from the wire stops a listener: bad frames and payloads are dropped, counted per
-//!   [`DropReason`] in [`ListenerStats`] and logged rate-limited. Only a failure of the live
-//!   socket itself ends it ([`ListenerState::Failed`]).
+//!   [`DropReason`] in [`ListenerStats`] and logged rate-limited (per reason). Blocks an
+//!   applied store leaves out are counted per [`TruncateReason`]; every seq of a gap that
+//!   neither live traffic nor a replay brought is counted lost, once. A [`ReasonTotals`]
+//!   shared through [`ListenerConfig::with_totals`] keeps service-wide totals that outlive
+//!   the listeners. Only a failure of the live socket itself ends a listener
+//!   ([`ListenerState::Failed`]).
 //! - Dropping a [`KvEventListener`] stops it and closes its sockets (linger 0) before the
 //!   drop returns. A stop (or the ready gate's opening) reaches the group's thread at once
 //!   through its waker, idle or mid-replay; only a batch being applied is finished first.

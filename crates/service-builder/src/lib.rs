@@ -109,6 +109,8 @@
 //! relaxed atomic increment each, rejection series pre-created); everything the service
 //! already keeps elsewhere (listener, index, ledger, replica statistics) is read by a
 //! collector at scrape time, so selection and event ingestion do no metrics work for it.
+//! Per-listener rows end with their listener; the `_by_reason` totals come from one
+//! [`kv_events::ReasonTotals`] every listener adds to, so they never go down.
 //!
 //! # Design notes
 //! - A partition's schedulable workers are one immutable `Roster` snapshot: records shared

@@ -299,23 +299,33 @@ fn replay_without_topic_frame_and_initial_gap() {
     assert_eq!(get(&listener.stats().replays_complete), 1);
 }
 
-/// A replay that skips seqs (the engine's ring lost them): the holes before and between
-/// the replayed batches are lost and counted once, an undecodable batch counted as dropped
-/// is not counted lost too, and the live batch that revealed the gap is applied after.
-#[test]
-fn replay_with_holes_counts_each_missing_batch_as_lost() {
+/// A batch that does not decode: an array that declares 4 G elements.
+const UNDECODABLE: &[u8] = b"\x93\x01\xdd\xff\xff\xff\xff";
+
+/// A listener of worker `id` whose engine also answers replays, with seqs 0 and 1
+/// applied (watermark 1): where every replay-accounting test starts.
+fn live_with_replay(id: u64) -> (zmq::Socket, ReplayServer, Collector, KvEventListener) {
     let ctx = zmq::Context::new();
     let (publisher, ep) = bind_free(&ctx, zmq::PUB);
     let replay = ReplayServer::start(&ctx, true);
     let (sink, rx) = Collector::new();
-    let config = ListenerConfig::new(WorkerKey::new(8, 0), ep, 4)
+    let config = ListenerConfig::new(WorkerKey::new(id, 0), ep, 4)
         .with_replay_endpoint(replay.endpoint.clone());
     let listener = KvEventListener::start(config, sink).unwrap();
     rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
     publish(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
     assert_eq!(rx.next()[0].event_id, 1);
+    (publisher, replay, rx, listener)
+}
+
+/// A replay that skips seqs (the engine's ring lost them): the holes before and between
+/// the replayed batches are lost and counted once, an undecodable batch counted as dropped
+/// is not counted lost too, and the live batch that revealed the gap is applied after.
+#[test]
+fn replay_with_holes_counts_each_missing_batch_as_lost() {
+    let (publisher, replay, rx, listener) = live_with_replay(8);
     // Seq 2 arrives but does not decode: dropped, counted under its reason.
-    publish(&publisher, 2, b"\x93\x01\xdd\xff\xff\xff\xff");
+    publish(&publisher, 2, UNDECODABLE);
     let stats = Arc::clone(listener.stats());
     wait_until(|| stats.dropped(DropReason::MalformedMsgpack) == 1);
     {
@@ -340,17 +350,8 @@ fn replay_with_holes_counts_each_missing_batch_as_lost() {
 /// underflow), and ingestion goes on.
 #[test]
 fn an_incomplete_replay_of_seqs_already_dropped_loses_nothing() {
-    let bad: &[u8] = b"\x93\x01\xdd\xff\xff\xff\xff";
-    let ctx = zmq::Context::new();
-    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
-    let replay = ReplayServer::start(&ctx, true);
-    let (sink, rx) = Collector::new();
-    let config = ListenerConfig::new(WorkerKey::new(10, 0), ep, 4)
-        .with_replay_endpoint(replay.endpoint.clone());
-    let listener = KvEventListener::start(config, sink).unwrap();
-    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
-    publish(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
-    assert_eq!(rx.next()[0].event_id, 1);
+    let bad = UNDECODABLE;
+    let (publisher, replay, rx, listener) = live_with_replay(10);
     {
         let mut ring = replay.ring.lock();
         ring.insert(2, batch(vec![stored(&[3], Some(2))]));
@@ -375,19 +376,9 @@ fn an_incomplete_replay_of_seqs_already_dropped_loses_nothing() {
 /// brought, so the seqs it never brought are all lost.
 #[test]
 fn a_repeated_bad_batch_in_a_replay_does_not_hide_lost_ones() {
-    let bad: &[u8] = b"\x93\x01\xdd\xff\xff\xff\xff";
-    let ctx = zmq::Context::new();
-    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
-    let replay = ReplayServer::start(&ctx, true);
+    let (publisher, replay, rx, listener) = live_with_replay(11);
     replay.twice.store(true, Ordering::Release);
-    let (sink, rx) = Collector::new();
-    let config = ListenerConfig::new(WorkerKey::new(11, 0), ep, 4)
-        .with_replay_endpoint(replay.endpoint.clone());
-    let listener = KvEventListener::start(config, sink).unwrap();
-    rx.publish_until_delivered(&publisher, 0, &batch(vec![stored(&[1], None)]));
-    publish(&publisher, 1, &batch(vec![stored(&[2], Some(1))]));
-    assert_eq!(rx.next()[0].event_id, 1);
-    replay.ring.lock().insert(2, bad.to_vec());
+    replay.ring.lock().insert(2, UNDECODABLE.to_vec());
     // Live 5: gap [2, 5); the engine sends 2 (undecodable) twice and nothing else.
     publish(&publisher, 5, &batch(vec![stored(&[5], None)]));
     assert_eq!(rx.next()[0].event_id, 5);

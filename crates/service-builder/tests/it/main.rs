@@ -1796,6 +1796,28 @@ fn queued_service() -> (Arc<service_builder::SelectionService>, Arc<SelectionCor
     (service, core)
 }
 
+/// [`queued_service`] with its one worker busy: booking "a" holds 80 of its 100 batched
+/// tokens, so the next booking waits in the admission queue.
+fn busy_queued_service() -> (Arc<service_builder::SelectionService>, Arc<SelectionCore>) {
+    let (service, core) = queued_service();
+    core.select_and_reserve(SelectRequest {
+        selection_id: Some("a".into()),
+        ..select(tokens(80))
+    })
+    .unwrap();
+    (service, core)
+}
+
+/// A runtime of two worker threads, and at most `blocking` blocking threads if given.
+fn two_thread_runtime(blocking: Option<usize>) -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(2).enable_all();
+    if let Some(n) = blocking {
+        builder.max_blocking_threads(n);
+    }
+    builder.build().unwrap()
+}
+
 /// `SelectionService`'s async methods never block the runtime: on a single-threaded
 /// runtime, a booking that must wait in the admission queue waits on a thread of its own,
 /// while the runtime's other task frees the capacity it is waiting for.
@@ -1851,19 +1873,9 @@ fn async_bookings_wait_off_the_runtime() {
 /// both (the queue audit: `POST /workers` unanswered for 30 s, SIGTERM for 90 s).
 #[test]
 fn waiters_leave_the_blocking_pool_to_catalog_calls_and_shutdown() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = two_thread_runtime(Some(2));
     runtime.block_on(async {
-        let (service, core) = queued_service();
-        core.select_and_reserve(SelectRequest {
-            selection_id: Some("a".into()),
-            ..select(tokens(80))
-        })
-        .unwrap();
+        let (service, core) = busy_queued_service();
         let waiters: Vec<_> = (0..6)
             .map(|i| {
                 let service = Arc::clone(&service);
@@ -1906,18 +1918,9 @@ fn waiters_leave_the_blocking_pool_to_catalog_calls_and_shutdown() {
 /// §5.2).
 #[test]
 fn a_caller_that_goes_away_leaves_the_queue_and_books_nothing() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = two_thread_runtime(None);
     runtime.block_on(async {
-        let (service, core) = queued_service();
-        core.select_and_reserve(SelectRequest {
-            selection_id: Some("a".into()),
-            ..select(tokens(80))
-        })
-        .unwrap();
+        let (service, core) = busy_queued_service();
         let gone = SelectRequest {
             selection_id: Some("gone".into()),
             ..select(tokens(8))
