@@ -240,8 +240,9 @@ pub struct ServerConfig {
     /// `router_queue_threshold` / `router_queue_policy`).
     pub policy_classes: Option<selection_policy::PolicyClasses>,
     /// The worker-selection instance chosen by `DYN_ROUTER_WORKER_SELECTION_POLICY`, as
-    /// `(name, its router configuration)`; `None` = the built-in policy over [`Self::router`].
-    pub worker_selection: Option<(String, RouterConfig)>,
+    /// `(name, its router configuration, its policy kind)`; `None` = the default policy over
+    /// [`Self::router`].
+    pub worker_selection: Option<(String, RouterConfig, selection_policy::BuiltinPolicy)>,
     /// `DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`.
     pub active_request_expiry: Duration,
     /// `DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS`; `None` = refresh disabled.
@@ -386,7 +387,7 @@ impl ServerConfig {
                          (define it in the router policy file, or use 'default')"
                     )
                 })?;
-                Some((name.clone(), instance.apply(&router)))
+                Some((name.clone(), instance.apply(&router), instance.policy))
             }
         };
         for (var, set) in [
@@ -1143,8 +1144,9 @@ mod tests {
         );
         let classes = cfg.policy_classes.as_ref().unwrap();
         assert_eq!(classes.default_class().name, "a");
-        let (name, instance) = cfg.worker_selection.as_ref().unwrap();
+        let (name, instance, policy) = cfg.worker_selection.as_ref().unwrap();
         assert_eq!(name, "hot");
+        assert_eq!(*policy, selection_policy::BuiltinPolicy::Default);
         assert_eq!(
             (instance.overlap_score_credit, instance.router_temperature),
             (3.0, 0.5)
@@ -1161,6 +1163,39 @@ mod tests {
         assert_eq!(cfg.worker_selection.as_ref().unwrap().1, cfg.router);
         let msg = err(&[], &[("DYN_ROUTER_WORKER_SELECTION_POLICY", "hot")]);
         assert!(msg.contains("DYN_ROUTER_WORKER_SELECTION_POLICY"), "{msg}");
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_kv_bounded_instance_without_parameters_gets_the_recommended_ones() {
+        let path = temp_policy_file(
+            "bounded",
+            "router: {host_cache_hit_weight: 0.5}\n\
+             worker_selection: {cache_first: {kind: kv-bounded}, tight: {kind: kv-bounded, slack: 1, decode_weight: 0}}\n",
+        );
+        let p = path.to_str().unwrap();
+        for (name, want) in [
+            ("cache_first", selection_policy::KvBoundedConfig::default()),
+            (
+                "tight",
+                selection_policy::KvBoundedConfig {
+                    slack: 1.0,
+                    decode_weight: 0.0,
+                },
+            ),
+        ] {
+            let cfg = parse(
+                &[],
+                &[
+                    ("DYN_ROUTER_POLICY_CONFIG", p),
+                    ("DYN_ROUTER_WORKER_SELECTION_POLICY", name),
+                ],
+            )
+            .unwrap();
+            let (_, router, policy) = cfg.worker_selection.as_ref().unwrap();
+            assert_eq!(*policy, selection_policy::BuiltinPolicy::KvBounded(want));
+            assert_eq!(router.host_cache_hit_weight, 0.5);
+        }
         std::fs::remove_file(&path).unwrap();
     }
 

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use selection_policy::{
-    ClassDefinition, ClassRule, PolicyClass, PolicyClasses, QueueConfigError, QueuePolicy,
-    RouterConfig,
+    BuiltinPolicy, ClassDefinition, ClassRule, KvBoundedConfig, PolicyClass, PolicyClasses,
+    QueueConfigError, QueuePolicy, RouterConfig,
 };
 use serde::Deserialize;
 
@@ -25,16 +25,11 @@ pub struct PolicyFile {
     pub worker_selection: BTreeMap<String, WorkerSelectionInstance>,
 }
 
-/// The only policy kind the standalone binary links: the built-in cost function.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum PolicyKind {
-    Default,
-}
-
-/// One `worker_selection` entry: the built-in policy with optional weight overrides.
+/// One `worker_selection` entry: a built-in policy kind (`kind: default` or
+/// `kind: kv-bounded` with its parameters) with optional weight overrides.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct WorkerSelectionInstance {
+    pub policy: BuiltinPolicy,
     pub overlap_score_credit: Option<f64>,
     pub overlap_score_credit_decay: Option<f64>,
     pub prefill_load_scale: Option<f64>,
@@ -121,15 +116,9 @@ pub fn parse(text: &str) -> Result<PolicyFile, String> {
         if name.trim().is_empty() {
             return Err("worker_selection: instance names must not be empty".to_owned());
         }
-        match entry.kind.as_str() {
-            "default" => {}
-            other => {
-                return Err(format!(
-                    "{at}.kind: unknown policy kind \"{other}\" (this binary supports: default)"
-                ));
-            }
-        }
+        let policy = entry.policy(&at)?;
         let instance = WorkerSelectionInstance {
+            policy,
             overlap_score_credit: entry.overlap_score_credit,
             overlap_score_credit_decay: entry.overlap_score_credit_decay,
             prefill_load_scale: entry.prefill_load_scale,
@@ -143,6 +132,10 @@ pub fn parse(text: &str) -> Result<PolicyFile, String> {
             .apply(&RouterConfig::default())
             .validate()
             .map_err(|e| format!("{at}: {e}"))?;
+        instance
+            .policy
+            .validate()
+            .map_err(|e| format!("{at}.{}", field_first(&e.to_string())))?;
         worker_selection.insert(name, instance);
     }
     Ok(PolicyFile {
@@ -358,6 +351,68 @@ struct RawInstance {
     host_cache_hit_weight: Option<f64>,
     disk_cache_hit_weight: Option<f64>,
     shared_cache_multiplier: Option<f64>,
+    /// `kv-bounded` only.
+    slack: Option<f64>,
+    /// `kv-bounded` only.
+    decode_weight: Option<f64>,
+}
+
+impl RawInstance {
+    /// The kind with its parameters; keys that the kind does not read are errors, so that
+    /// a setting never silently does nothing.
+    fn policy(&self, at: &str) -> Result<BuiltinPolicy, String> {
+        let default_only = [
+            ("overlap_score_credit", self.overlap_score_credit),
+            (
+                "overlap_score_credit_decay",
+                self.overlap_score_credit_decay,
+            ),
+            ("prefill_load_scale", self.prefill_load_scale),
+            (
+                "decode_active_request_weight",
+                self.decode_active_request_weight,
+            ),
+            ("router_temperature", self.router_temperature),
+            ("shared_cache_multiplier", self.shared_cache_multiplier),
+        ];
+        let bounded_only = [("slack", self.slack), ("decode_weight", self.decode_weight)];
+        let unused =
+            |kind: &str, keys: &[(&str, Option<f64>)]| match keys.iter().find(|(_, v)| v.is_some())
+            {
+                Some((field, _)) => Err(format!(
+                    "{at}.{field}: not a parameter of policy kind \"{kind}\""
+                )),
+                None => Ok(()),
+            };
+        match self.kind.as_str() {
+            "default" => {
+                unused("default", &bounded_only)?;
+                Ok(BuiltinPolicy::Default)
+            }
+            "kv-bounded" => {
+                unused("kv-bounded", &default_only)?;
+                let d = KvBoundedConfig::default();
+                Ok(BuiltinPolicy::KvBounded(KvBoundedConfig {
+                    slack: self.slack.unwrap_or(d.slack),
+                    decode_weight: self.decode_weight.unwrap_or(d.decode_weight),
+                }))
+            }
+            other => Err(format!(
+                "{at}.kind: unknown policy kind \"{other}\" (this binary supports: default, \
+                 kv-bounded)"
+            )),
+        }
+    }
+}
+
+/// `slack must be ...` stays as it is: a config error's message starts with its field, so
+/// prefixing the instance path gives `worker_selection.NAME.slack must be ...`; the colon
+/// after the field makes it read like the other errors of this file.
+fn field_first(msg: &str) -> String {
+    match msg.split_once(' ') {
+        Some((field, rest)) => format!("{field}: {field} {rest}"),
+        None => msg.to_owned(),
+    }
 }
 
 #[cfg(test)]

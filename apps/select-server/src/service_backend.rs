@@ -551,18 +551,16 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
         ..service_builder::CoreConfig::default()
     };
     let mut builder = service_builder::SelectionServiceBuilder::new(core);
-    if let Some((_, instance)) = &cfg.worker_selection {
+    if let Some((_, instance, policy)) = &cfg.worker_selection {
         // The chosen instance's weights over the process configuration; tracking settings
-        // stay those of the process.
+        // stay those of the process. The kind's parameters were validated with the file.
         let instance = selection_policy::RouterConfig {
             router_tracking_hash: tracking_algorithm,
             ..instance.clone()
         };
+        let policy = *policy;
         builder = builder.worker_selection_policy_factory(Arc::new(move |_, _| {
-            selection_policy::Policy::default_policy(
-                &instance,
-                selection_policy::PoolLabel::default(),
-            )
+            policy.build(&instance, selection_policy::PoolLabel::default())
         }));
     }
     if cfg.replica_sync_port.is_some() || !cfg.replica_sync_peers.is_empty() {

@@ -6,6 +6,10 @@
 //!   [`Policy`] composes them; scorers write into a caller-owned `&mut [f64]`.
 //! - The default cost function ([`DefaultScorer`]) and picker ([`TemperaturePicker`]),
 //!   bit-for-bit the formulas of §4 (the worked example of §4.7 is an integration test).
+//! - A second built-in policy, `kv-bounded` ([`KvBoundedConfig`], [`BoundedCacheScorer`]):
+//!   the longest cached prefix among candidates whose load is within a bound of the
+//!   least-loaded one, composed from the public traits like any custom policy.
+//!   [`BuiltinPolicy`] names the built-in kinds for configuration files and builders.
 //! - The admission queue of §5 ([`AdmissionQueue`]) and its policy classes
 //!   ([`PolicyClasses`]: validation and request-to-class mapping).
 //! - [`RouterConfig`] (§8.1, spec defaults as `Default`) and [`RouterConfigOverride`] (§8.2).
@@ -96,6 +100,8 @@
 //!   random number before scoring so its multiplies overlap it (+24 instructions, timings
 //!   within the noise).
 
+mod bounded;
+mod builtin;
 mod candidate;
 mod classes;
 mod config;
@@ -105,6 +111,8 @@ mod policy;
 mod queue;
 mod rng;
 
+pub use bounded::{BoundedCacheScorer, KvBoundedConfig};
+pub use builtin::BuiltinPolicy;
 pub use candidate::{
     AffinityTarget, CacheInputs, Candidate, CandidateRows, Capacity, LoadInputs, PoolLabel,
     SelectionContext, SessionContext, cached_tokens, preferred_taint_multiplier,

@@ -41,6 +41,7 @@ use crate::request::{
     SelectResponse,
 };
 use crate::roster::{Roster, RosterRow, RowHits, WorkerEntry};
+use crate::routing_stats::{RoutingSample, RoutingStats};
 use crate::session::{BindingUpdate, Hold, MAX_SESSION_ID_BYTES, SessionTable, SessionTarget};
 
 /// Builds the worker-selection policy of a partition; called once per partition.
@@ -107,6 +108,15 @@ struct SelectScratch {
 }
 
 /// What admission did for `schedule`.
+/// What [`SelectionCore::schedule`] chose, with what booking it needs.
+struct Scheduled {
+    selection: Selection,
+    isl: u64,
+    track: bool,
+    response: SelectResponse,
+    routing: RoutingSample,
+}
+
 #[derive(Debug, Default)]
 struct Admission {
     /// Set when admission already hashed and looked up the prompt into the scratch.
@@ -138,6 +148,8 @@ pub(crate) struct Partition {
     /// `ensure_partition`) sets the block size and Eagle flag, keeping the recovered index
     /// (replica-sync §9.2).
     adoptable: AtomicBool,
+    /// Routing-loss counters of the bookings selections made here.
+    pub(crate) routing: RoutingStats,
 }
 
 /// How often the booking path re-runs the expiry scan (the periodic task runs regardless).
@@ -751,6 +763,7 @@ impl SelectionCore {
                 .session_affinity_ttl
                 .map(|ttl| SessionTable::new(ttl, self.config.replica_id, clock_seed())),
             adoptable: AtomicBool::new(false),
+            routing: RoutingStats::default(),
         }
     }
 
@@ -983,7 +996,14 @@ impl SelectionCore {
         let queued = admission.as_ref().is_ok_and(|a| a.queued);
         let result =
             admission.and_then(|a| self.schedule(&partition, req, &mut scratch, a.prepared_isl));
-        let outcome = result.and_then(|(selection, isl, track, response_base)| {
+        let outcome = result.and_then(|scheduled| {
+            let Scheduled {
+                selection,
+                isl,
+                track,
+                response: response_base,
+                routing,
+            } = scheduled;
             let tracking = scratch.tracking.clone();
             let mut kv_hint = None;
             if let (Some(claim), Some(id)) = (claim.as_ref(), selection_id.as_ref()) {
@@ -1005,6 +1025,7 @@ impl SelectionCore {
                         return Err(e);
                     }
                 };
+                partition.routing.record(routing);
                 self.record_decision(
                     &partition,
                     selection.worker,
@@ -1030,6 +1051,7 @@ impl SelectionCore {
                     lora_name: req.prompt.lora_name.clone(),
                     block_hashes: retained,
                     session_id: session_id.clone(),
+                    routing,
                 };
                 let key = (
                     req.partition.model_name.clone(),
@@ -1434,7 +1456,7 @@ impl SelectionCore {
         req: &SelectRequest,
         scratch: &mut SelectScratch,
         prepared_isl: Option<u64>,
-    ) -> Result<(Selection, u64, bool, SelectResponse), SelectionError> {
+    ) -> Result<Scheduled, SelectionError> {
         let router = &self.config.router;
         let over = &req.router_config_override;
         // Queued partitions hashed and looked up during admission (`prepared_isl`).
@@ -1470,10 +1492,10 @@ impl SelectionCore {
             w_disk: router.disk_cache_hit_weight,
             block_size: partition.block_size,
         };
-        let selection = if req.allowed_worker_ids.is_none()
+        let unrestricted = req.allowed_worker_ids.is_none()
             && req.required_taints.is_empty()
-            && req.preferred_taints.is_empty()
-        {
+            && req.preferred_taints.is_empty();
+        let selection = if unrestricted {
             // Every roster row is a candidate: the policy reads them straight from the roster,
             // the hits and the ledger (which stays locked while it does).
             let ledger = partition.ledger.lock();
@@ -1520,6 +1542,23 @@ impl SelectionCore {
         let overlap = overlap_summary(&chosen.record, partition.block_size, |key| {
             scratch.hits.of(&workers, key)
         });
+        // Routing loss: the chosen rank's device prefix against the best one among the
+        // candidates the policy was offered (a pin offers one).
+        let chosen_device = scratch.hits.of(&workers, selection.worker).device;
+        let best_device = if req.pinned_worker.is_some() {
+            chosen_device
+        } else if unrestricted {
+            scratch.hits.best_device()
+        } else {
+            scratch
+                .candidates
+                .iter()
+                .map(|c| c.cache.device_blocks)
+                .max()
+                .unwrap_or(0)
+        };
+        let routing =
+            RoutingSample::from_blocks(isl, chosen_device, best_device, partition.block_size);
         let response = SelectResponse {
             selection_id: None,
             sequence_hashes: None,
@@ -1538,7 +1577,13 @@ impl SelectionCore {
             worker_load: None,
             kv_hint: None,
         };
-        Ok((selection, isl, track, response))
+        Ok(Scheduled {
+            selection,
+            isl,
+            track,
+            response,
+            routing,
+        })
     }
 
     /// Fills `scratch.blocks` / `scratch.tracking` and returns the normalized ISL.
@@ -1971,6 +2016,7 @@ impl SelectionCore {
                 return Err(e.into());
             }
         };
+        partition.routing.record(cached.routing);
         self.record_decision(&partition, worker, &cached.block_hashes, None);
         claim.install_with_session(session.into_lease());
         self.publish_booking(&partition, &booking, binding);

@@ -125,6 +125,9 @@ pub enum BuildError {
     RouterConfig(String),
     #[error("selection cache {field} must be greater than zero")]
     SelectionCache { field: &'static str },
+    /// A built-in policy's parameters are invalid (the error names the field).
+    #[error("invalid worker-selection policy: {0}")]
+    Policy(selection_policy::ConfigError),
     #[error("failed to start: {0}")]
     Startup(String),
 }

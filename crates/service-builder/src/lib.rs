@@ -223,6 +223,7 @@ mod pending;
 mod replica;
 mod request;
 mod roster;
+mod routing_stats;
 mod service;
 mod session;
 
@@ -246,6 +247,7 @@ pub use request::{
     PromptInput, PromptQuery, ReadyResponse, ReservationRequest, ReservationResponse,
     SelectRequest, SelectResponse,
 };
+pub use routing_stats::ROUTING_RATIO_BUCKETS;
 pub use service::{
     MAX_SESSION_AFFINITY_TTL, MAX_WAITING_THREADS, ReplicaSyncConfig, SelectionService,
     SelectionServiceBuilder,

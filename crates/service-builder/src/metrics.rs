@@ -31,6 +31,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use crate::core::SelectionCore;
 use crate::error::{ErrorKind, SelectionError};
+use crate::routing_stats::{ROUTING_RATIO_BUCKETS, RoutingSnapshot};
 
 /// The prefix of every series this crate registers.
 pub const METRICS_PREFIX: &str = "kv_select";
@@ -499,6 +500,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         memberships: [usize; StorageTier::ALL.len()],
         /// `(requests, ISL tokens)` waiting, when the partition has an admission queue.
         queued: Option<(u64, u64)>,
+        routing: RoutingSnapshot,
     }
     // Copy everything out first: each index lock is held only for the reads.
     let snapshot: Vec<Row> = core
@@ -518,6 +520,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 blocks: stats.nodes,
                 memberships,
                 queued: p.queue.as_ref().map(|q| q.pending()),
+                routing: p.routing.snapshot(),
             }
         })
         .collect();
@@ -573,6 +576,63 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 .map(move |(tier, n)| ((part(r), [("tier", tier.as_str())]), n as u64))
         }),
     )?;
+    for (name, help, value) in [
+        (
+            "prompt_tokens",
+            "Prompt tokens of the bookings selections made (select_and_reserve, and \
+             reservations replaying a cached selection).",
+            (|r: &RoutingSnapshot| r.prompt_tokens) as fn(&RoutingSnapshot) -> u64,
+        ),
+        (
+            "cached_tokens",
+            "Of those, tokens the chosen rank held on device: cached / prompt is the hit \
+             ratio.",
+            |r| r.cached_tokens,
+        ),
+        (
+            "best_cached_tokens",
+            "Tokens the best eligible candidate held on device: (best - cached) / prompt is \
+             the routing loss.",
+            |r| r.best_cached_tokens,
+        ),
+    ] {
+        rows(
+            enc,
+            name,
+            help,
+            MetricType::Counter,
+            snapshot.iter().map(|r| (part(r), value(&r.routing))),
+        )?;
+    }
+    {
+        let mut m = enc.encode_descriptor(
+            "routing_cached_ratio",
+            "Per booking with any cached candidate: the chosen rank's device prefix over the \
+             best candidate's (1 = no routing loss).",
+            None,
+            MetricType::Histogram,
+        )?;
+        for r in &snapshot {
+            let mut buckets = [(0.0, 0); ROUTING_RATIO_BUCKETS.len() + 1];
+            let mut count = 0;
+            for (i, (slot, n)) in buckets.iter_mut().zip(r.routing.ratio).enumerate() {
+                *slot = (
+                    ROUTING_RATIO_BUCKETS
+                        .get(i)
+                        .copied()
+                        .unwrap_or(f64::INFINITY),
+                    n,
+                );
+                count += n;
+            }
+            m.encode_family(&part(r))?.encode_histogram::<NoLabelSet>(
+                r.routing.ratio_sum,
+                count,
+                &buckets,
+                None,
+            )?;
+        }
+    }
     rows(
         enc,
         "admission_pending",

@@ -44,6 +44,8 @@ pub(crate) struct PendingSelection {
     /// Retained only when the partition records routing decisions.
     pub(crate) block_hashes: Vec<BlockHash>,
     pub(crate) session_id: Option<String>,
+    /// The selection's routing-loss figures, counted when the replay books.
+    pub(crate) routing: crate::routing_stats::RoutingSample,
 }
 
 #[derive(Debug)]
@@ -223,6 +225,7 @@ mod tests {
             lora_name: None,
             block_hashes: vec![],
             session_id: None,
+            routing: crate::routing_stats::RoutingSample::default(),
         }
     }
 

@@ -230,6 +230,26 @@ impl RowHits {
         }
     }
 
+    /// The most device blocks any row of the roster last placed holds (0 without hits).
+    pub(crate) fn best_device(&self) -> u32 {
+        if self.dense {
+            // `NO_SLOT` reads as depth 0.
+            return self
+                .row_slot
+                .iter()
+                .map(|&slot| self.depths.depth(slot))
+                .max()
+                .unwrap_or(0);
+        }
+        let hits = self.tiered.hits();
+        self.at_row
+            .iter()
+            .filter_map(|&i| hits.get(i as usize))
+            .map(|h| h.device)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Whether the last lookup took the per-slot form (device hits only).
     pub(crate) fn is_dense(&self) -> bool {
         self.dense

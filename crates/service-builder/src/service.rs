@@ -22,6 +22,8 @@ pub const MAX_SESSION_AFFINITY_TTL: Duration = Duration::from_secs(31_536_000);
 pub struct SelectionServiceBuilder {
     config: CoreConfig,
     policy_factory: Option<PolicyFactory>,
+    /// The built-in policy behind `policy_factory`, kept to validate its parameters.
+    builtin: Option<selection_policy::BuiltinPolicy>,
     expiry_period: Option<Duration>,
     replica: Option<ReplicaSyncConfig>,
     replica_key: Option<replica_sync::ReplicaKey>,
@@ -50,6 +52,7 @@ impl SelectionServiceBuilder {
         Self {
             config,
             policy_factory: None,
+            builtin: None,
             expiry_period: None,
             replica: None,
             replica_key: None,
@@ -58,7 +61,19 @@ impl SelectionServiceBuilder {
 
     /// Uses this factory for every partition instead of the built-in policy.
     pub fn worker_selection_policy_factory(mut self, factory: PolicyFactory) -> Self {
+        self.builtin = None;
         self.policy_factory = Some(factory);
+        self
+    }
+
+    /// Uses a built-in policy for every partition, over the service's router configuration:
+    /// `.worker_selection_policy(BuiltinPolicy::KvBounded(KvBoundedConfig::default()))`.
+    /// Its parameters are validated in [`Self::build`].
+    pub fn worker_selection_policy(mut self, policy: selection_policy::BuiltinPolicy) -> Self {
+        self.builtin = Some(policy);
+        self.policy_factory = Some(Arc::new(move |router, _| {
+            policy.build(router, selection_policy::PoolLabel::default())
+        }));
         self
     }
 
@@ -95,6 +110,9 @@ impl SelectionServiceBuilder {
 
     /// Validates everything and starts the service's tasks on the current Tokio runtime.
     pub fn build(self) -> Result<SelectionService, BuildError> {
+        if let Some(policy) = &self.builtin {
+            policy.validate().map_err(BuildError::Policy)?;
+        }
         if let Some(ttl) = self.config.session_affinity_ttl
             && !(Duration::from_secs(1)..=MAX_SESSION_AFFINITY_TTL).contains(&ttl)
         {

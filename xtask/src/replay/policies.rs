@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{Context, Result, bail};
 use selection_policy::{
-    Candidate, PickRng, Picker, Policy, PolicyError, PoolLabel, RouterConfig, Scorer,
-    SelectionContext, TemperaturePicker,
+    Candidate, KvBoundedConfig, PickRng, Picker, Policy, PolicyError, PoolLabel, RouterConfig,
+    Scorer, SelectionContext, TemperaturePicker,
 };
 use service_builder::PolicyFactory;
 
@@ -28,10 +28,8 @@ pub(crate) enum PolicyKind {
     Random,
     /// The default cost's load terms only (no cache credit), minimum wins.
     LeastLoaded,
-    /// Cache affinity under a load bound (see [`BoundedCacheScorer`]).
-    Bounded {
-        slack: f64,
-    },
+    /// The built-in `kv-bounded` policy of `selection-policy` with these parameters.
+    Bounded(KvBoundedConfig),
 }
 
 /// The configuration knobs of the default cost function that a replay may vary.
@@ -102,14 +100,20 @@ impl PolicySpec {
             "random" => PolicyKind::Random,
             "least-loaded" => PolicyKind::LeastLoaded,
             "kv-bounded" => {
-                let mut slack = 1.0;
+                let mut c = KvBoundedConfig::default();
                 for (k, v) in pairs.drain(..) {
                     match k {
-                        "slack" => slack = v,
-                        other => bail!("policy {s:?}: unknown kv-bounded parameter {other:?}"),
+                        "slack" => c.slack = v,
+                        "decode_weight" | "dw" => c.decode_weight = v,
+                        other => bail!(
+                            "policy {s:?}: unknown kv-bounded parameter {other:?} \
+                             (slack, decode_weight)"
+                        ),
                     }
                 }
-                PolicyKind::Bounded { slack }
+                c.validate()
+                    .map_err(|e| anyhow::anyhow!("policy {s:?}: {e}"))?;
+                PolicyKind::Bounded(c)
             }
             other => bail!(
                 "unknown policy {other:?}; expected kv, round-robin, random, least-loaded, \
@@ -159,13 +163,7 @@ impl PolicySpec {
             PolicyKind::LeastLoaded => Some(Arc::new(|c: &RouterConfig, _: &_| {
                 Policy::new(c, vec![Box::new(Load)], Box::new(min_picker()))
             })),
-            PolicyKind::Bounded { slack } => Some(Arc::new(move |c: &RouterConfig, _: &_| {
-                Policy::new(
-                    c,
-                    vec![Box::new(BoundedCacheScorer { slack })],
-                    Box::new(min_picker()),
-                )
-            })),
+            PolicyKind::Bounded(b) => Some(Arc::new(move |c: &RouterConfig, _: &_| b.policy(c))),
         }
     }
 }
@@ -255,48 +253,6 @@ impl Scorer for Load {
     }
 }
 
-/// Cache affinity under a load bound ("bounded loads"): a candidate is admissible when its
-/// load (the default cost's load terms, in blocks) is within `slack` request-sizes of the
-/// least-loaded candidate; among admissible ones the longest device prefix wins, then the
-/// lower load. Inadmissible candidates rank after every admissible one, by load.
-///
-/// Why: in the default cost one cached block buys exactly one block of load, and a long
-/// prompt's own decode blocks swing the load term by hundreds of blocks, so a worker with a
-/// few more cached blocks loses to a slightly idler one. A bound expressed in request sizes
-/// lets cache decide whenever the load difference is small, and never lets it pile work.
-#[derive(Debug)]
-pub(crate) struct BoundedCacheScorer {
-    /// Admissible load gap, in units of this request's blocks.
-    pub(crate) slack: f64,
-}
-
-impl Scorer for BoundedCacheScorer {
-    fn score(
-        &self,
-        ctx: &SelectionContext<'_>,
-        candidates: &[Candidate],
-        costs: &mut [f64],
-    ) -> Result<(), PolicyError> {
-        let min = candidates
-            .iter()
-            .map(|c| load_blocks(ctx, c))
-            .fold(f64::INFINITY, f64::min);
-        let bound = min + self.slack * ctx.request_blocks().max(1) as f64;
-        // Loads are bounded by the cluster's blocks (≪ 1e12), so the tiers never overlap.
-        const TIER: f64 = 1e12;
-        const LOAD_WEIGHT: f64 = 1e-6;
-        for (c, out) in candidates.iter().zip(costs.iter_mut()) {
-            let load = load_blocks(ctx, c);
-            *out = if load <= bound {
-                -f64::from(c.cache.device_blocks) + LOAD_WEIGHT * load
-            } else {
-                TIER + load
-            };
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,26 +288,26 @@ mod tests {
         assert!(PolicySpec::parse("kv").unwrap().factory().is_none());
         assert_eq!(
             PolicySpec::parse("kv-bounded:slack=0.5").unwrap().kind,
-            PolicyKind::Bounded { slack: 0.5 }
+            PolicyKind::Bounded(KvBoundedConfig {
+                slack: 0.5,
+                ..KvBoundedConfig::default()
+            })
         );
-        for bad in ["kv:credit", "kv:credit=-1", "kv:x=1", "random:a=1", "magic"] {
+        assert_eq!(
+            PolicySpec::parse("kv-bounded").unwrap().kind,
+            PolicyKind::Bounded(KvBoundedConfig::default())
+        );
+        for bad in [
+            "kv:credit",
+            "kv:credit=-1",
+            "kv:x=1",
+            "random:a=1",
+            "magic",
+            "kv-bounded:slack=1e9",
+            "kv-bounded:x=1",
+        ] {
             assert!(PolicySpec::parse(bad).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn bounded_prefers_cache_within_the_bound_only() {
-        // 10-block request, slack 1: loads within 10 blocks of the minimum are admissible.
-        let ctx = SelectionContext::new(160, 16, 10);
-        let rows = [cand(1, 0, 100), cand(2, 4, 108), cand(3, 9, 111)];
-        let mut costs = [f64::NAN; 3];
-        BoundedCacheScorer { slack: 1.0 }
-            .score(&ctx, &rows, &mut costs)
-            .unwrap();
-        let best = (0..3)
-            .min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
-            .unwrap();
-        assert_eq!(best, 1, "{costs:?}");
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub(crate) struct SimSettings {
     pub(crate) block_size: u32,
     pub(crate) seed: u64,
     pub(crate) timing: TimingModel,
+    /// Arrival times are divided by this (2 = twice the trace's request rate).
+    pub(crate) speedup: f64,
 }
 
 /// One worker's KV cache: blocks by chained hash with an LRU stamp.
@@ -210,7 +212,7 @@ fn drive(
     let started = Instant::now();
 
     for (i, (row, req)) in rows.iter().zip(prepared).enumerate() {
-        let now = req.arrival_us;
+        let now = (req.arrival_us as f64 / s.speedup).round() as u64;
         while let Some(&Reverse((t, what, id))) = due.peek() {
             if t > now {
                 break;

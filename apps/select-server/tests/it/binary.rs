@@ -766,3 +766,143 @@ fn port_zero_logs_the_port_it_bound() {
     assert_ne!(port, 0);
     assert_eq!(health.map(|(status, _)| status), Some(200));
 }
+
+/// Two workers of block size 4; worker 1 holds the whole 32-token prompt through real KV
+/// events and carries one explicit booking of 40 other tokens, worker 2 is idle. Returns
+/// the worker a `/select_and_reserve` of the prompt chose and the `/metrics` text.
+fn cached_but_busier(server: &Server) -> (u64, String) {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let zport = free_port();
+    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    for (id, ep) in [
+        (1, format!("tcp://127.0.0.1:{zport}")),
+        (2, format!("tcp://127.0.0.1:{}", free_port())),
+    ] {
+        let (status, record) = server.post(
+            "/workers",
+            json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 4, "kv_events_endpoint": ep}),
+        );
+        assert_eq!(status, 201, "{record}");
+    }
+    let tokens: Vec<u32> = (100..132).collect();
+    let payload = stored_batch(&(500..508).collect::<Vec<_>>(), &tokens, 4);
+    let mut seq = 0u64;
+    wait_for("worker 1's blocks in the index", || {
+        publisher
+            .send_multipart([&b""[..], &seq.to_be_bytes()[..], &payload[..]], 0)
+            .unwrap();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(50));
+        let (_, scores) = server.post("/overlap_scores", json!({"token_ids": tokens}));
+        scores["workers"][0]["device_blocks"] == 8
+    });
+    let other: Vec<u32> = (1000..1040).collect();
+    let (status, body) = server.post(
+        "/reservations",
+        json!({"selection_id": "load-1", "worker_id": 1, "token_ids": other, "effective_prefill_tokens": 40}),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, chosen) = server.post(
+        "/select_and_reserve",
+        json!({"selection_id": "probe", "token_ids": tokens}),
+    );
+    assert_eq!(status, 200, "{chosen}");
+    let (_, metrics) = server.get("/metrics");
+    (
+        chosen["worker_id"].as_u64().unwrap(),
+        metrics.as_str().unwrap_or_default().to_owned(),
+    )
+}
+
+#[test]
+fn the_kv_bounded_policy_file_takes_the_cache_the_default_policy_leaves() {
+    let path = std::env::temp_dir().join(format!(
+        "kv-select-bin-kv-bounded-{}.yaml",
+        std::process::id()
+    ));
+    std::fs::write(
+        &path,
+        "worker_selection:\n  cache_first:\n    kind: kv-bounded\n",
+    )
+    .unwrap();
+    let file = path.to_string_lossy().into_owned();
+    let bounded = Server::start_with_env(
+        &[],
+        &[
+            ("DYN_ROUTER_POLICY_CONFIG", &file),
+            ("DYN_ROUTER_WORKER_SELECTION_POLICY", "cache_first"),
+        ],
+    );
+    let (bounded_pick, bounded_metrics) = cached_but_busier(&bounded);
+    drop(bounded);
+    std::fs::remove_file(&path).unwrap();
+    let default = Server::start(&[]);
+    let (default_pick, default_metrics) = cached_but_busier(&default);
+
+    // The default cost weighs worker 1's 8 cached blocks against its 10 blocks of prefill
+    // and 10 of decode: the idle worker wins. kv-bounded admits worker 1 (its load is
+    // within 4 request sizes of the idlest) and takes its cache.
+    assert_eq!(default_pick, 2);
+    assert_eq!(bounded_pick, 1);
+    let part = r#"{model_name="default",routing_group="default"}"#;
+    for (text, cached) in [(&bounded_metrics, 32), (&default_metrics, 0)] {
+        for line in [
+            format!("kv_select_prompt_tokens_total{part} 32"),
+            format!("kv_select_cached_tokens_total{part} {cached}"),
+            format!("kv_select_best_cached_tokens_total{part} 32"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
+    }
+    // One observation each: ratio 1 (bounded) lands only in +Inf, ratio 0 (default) in
+    // every bucket.
+    let bucket = |text: &str, le: &str| {
+        let key = format!(
+            r#"kv_select_routing_cached_ratio_bucket{{model_name="default",routing_group="default",le="{le}"}} "#
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .unwrap_or_else(|| panic!("{key} missing:\n{text}"))
+            .to_owned()
+    };
+    assert_eq!(bucket(&bounded_metrics, "0.999"), "0");
+    assert_eq!(bucket(&bounded_metrics, "+Inf"), "1");
+    assert_eq!(bucket(&default_metrics, "0"), "1");
+}
+
+#[test]
+fn bad_kv_bounded_values_exit_with_code_2_naming_the_field() {
+    for (yaml, field) in [
+        (
+            "kind: kv-bounded\n    slack: -1",
+            "worker_selection.b.slack",
+        ),
+        (
+            "kind: kv-bounded\n    decode_weight: .nan",
+            "worker_selection.b.decode_weight",
+        ),
+        (
+            "kind: kv-bounded\n    overlap_score_credit: 2",
+            "worker_selection.b.overlap_score_credit",
+        ),
+        ("kind: default\n    slack: 2", "worker_selection.b.slack"),
+        ("kind: kv-bounded\n    slak: 2", "slak"),
+    ] {
+        let path = std::env::temp_dir().join(format!(
+            "kv-select-bin-bad-bounded-{}.yaml",
+            std::process::id()
+        ));
+        std::fs::write(&path, format!("worker_selection:\n  b:\n    {yaml}\n")).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_select-server"))
+            .args(["--port", "0"])
+            .env("DYN_ROUTER_POLICY_CONFIG", &path)
+            .env("DYN_ROUTER_WORKER_SELECTION_POLICY", "b")
+            .output()
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(out.status.code(), Some(2), "{yaml}: {out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(field), "{yaml}: {stderr}");
+    }
+}

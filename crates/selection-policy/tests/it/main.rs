@@ -1,5 +1,7 @@
 //! The worked example of `scheduling.md` §4.7 and policy composition through the public API.
 
+mod bounded;
+
 use kv_types::WorkerKey;
 use selection_policy::{
     AffinityTarget, CacheInputs, Candidate, CandidateRows, Capacity, Filter, LoadInputs, PickRng,

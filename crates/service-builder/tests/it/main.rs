@@ -2601,3 +2601,64 @@ fn shutdown_with_hundreds_of_listeners_is_prompt() {
     // Sequential stops averaged ≈ 50 ms each (7.5 s here); together they take one slice.
     assert!(took < Duration::from_secs(4), "shutdown took {took:?}");
 }
+
+/// Worker `w` holds a 32-token prompt (approximate mode recorded its booking) and carries
+/// an explicit booking of 40 other tokens; the other worker is idle. Returns the cached
+/// worker and the one the next selection of the prompt chose.
+fn cached_but_busier(c: &SelectionCore) -> (u64, u64) {
+    for id in 1..=2 {
+        c.upsert_worker(worker(id)).unwrap();
+    }
+    let first = c.select_and_reserve(select(tokens(32))).unwrap();
+    c.prefill_complete(first.selection_id.as_deref().unwrap())
+        .unwrap();
+    c.create_reservation(ReservationRequest {
+        selection_id: "other".into(),
+        worker_id: Some(first.worker_id),
+        prompt: PromptInput {
+            token_ids: Some((1000..1040).collect()),
+            ..PromptInput::default()
+        },
+        effective_prefill_tokens: Some(40),
+        ..ReservationRequest::default()
+    })
+    .unwrap();
+    let next = c.select(select(tokens(32))).unwrap();
+    (first.worker_id, next.worker_id)
+}
+
+#[test]
+fn the_builder_selects_the_built_in_kv_bounded_policy_in_one_line() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let bounded = service_builder::SelectionServiceBuilder::new(approx_config())
+        .worker_selection_policy(selection_policy::BuiltinPolicy::KvBounded(
+            selection_policy::KvBoundedConfig::default(),
+        ))
+        .build()
+        .unwrap();
+    let (cached, chosen) = cached_but_busier(bounded.core());
+    assert_eq!(
+        chosen, cached,
+        "kv-bounded takes the cache within its bound"
+    );
+    let default = service_builder::SelectionServiceBuilder::new(approx_config())
+        .build()
+        .unwrap();
+    let (cached, chosen) = cached_but_busier(default.core());
+    assert_ne!(
+        chosen, cached,
+        "the default cost sends it to the idle worker"
+    );
+
+    let err = service_builder::SelectionServiceBuilder::new(approx_config())
+        .worker_selection_policy(selection_policy::BuiltinPolicy::KvBounded(
+            selection_policy::KvBoundedConfig {
+                slack: f64::INFINITY,
+                ..selection_policy::KvBoundedConfig::default()
+            },
+        ))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("slack"), "{err}");
+}
