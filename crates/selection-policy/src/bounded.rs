@@ -19,7 +19,8 @@
 use crate::candidate::{Candidate, SelectionContext};
 use crate::config::{ConfigError, RouterConfig};
 use crate::default::TemperaturePicker;
-use crate::policy::{Policy, PolicyError, Scorer};
+use crate::policy::Policy;
+use crate::traits::{PolicyError, Scorer};
 
 /// Parameters of the `kv-bounded` policy. `Default` is the recommended set
 /// (docs/routing-quality.md).

@@ -4,8 +4,8 @@
 use crate::candidate::{Candidate, CandidateRows, PoolLabel, SelectionContext, cached_tokens};
 use crate::config::RouterConfig;
 use crate::exp::exp;
-use crate::policy::{Picker, PolicyError, Scorer};
 use crate::rng::PickRng;
+use crate::traits::{Picker, PolicyError, Scorer};
 
 /// The default cost: prefill blocks net of cache credit, plus decode blocks, plus a
 /// per-request term, times the preferred-taint multiplier.

@@ -110,6 +110,7 @@ mod exp;
 mod policy;
 mod queue;
 mod rng;
+mod traits;
 
 pub use bounded::{BoundedCacheScorer, KvBoundedConfig};
 pub use builtin::BuiltinPolicy;
@@ -123,13 +124,11 @@ pub use config::{
     QueuePolicy, RouterConfig, RouterConfigOverride, SharedCacheType,
 };
 pub use default::{DefaultScorer, TemperaturePicker, pick_probabilities, pick_with_temperature};
-pub use policy::{
-    DEFAULT_PREFILL_TOKEN_CAPACITY, Filter, Picker, Policy, PolicyError, Scorer, Scratch,
-    Selection, WorkerLoad,
-};
+pub use policy::{DEFAULT_PREFILL_TOKEN_CAPACITY, Policy, Scratch, Selection, WorkerLoad};
 pub use queue::{
     AdmissionQueue, Arrival, DEFAULT_OVERLAP_REFRESH_AFTER, LimitKind, Offer, PolicyClass,
     QUEUE_RECHECK_INTERVAL, QUEUE_RECHECK_INTERVAL_WITH_MODEL, QueueConfigError, QueueRejected,
     TryOffer, Waiting,
 };
 pub use rng::PickRng;
+pub use traits::{Filter, Picker, PolicyError, Scorer};

@@ -1,6 +1,4 @@
-//! The plugin surface (`Filter`, `Scorer`, `Picker`) and the policy that composes them.
-
-use std::fmt;
+//! The policy that composes filters, scorers and a picker, and what a selection answers.
 
 use kv_types::WorkerKey;
 
@@ -8,66 +6,10 @@ use crate::candidate::{Candidate, CandidateRows, SelectionContext, cached_tokens
 use crate::config::RouterConfig;
 use crate::default::{DefaultScorer, TemperaturePicker};
 use crate::rng::PickRng;
+use crate::traits::{Filter, Picker, PolicyError, Scorer};
 
 /// Prefill capacity assumed for a worker without `max_num_batched_tokens`.
 pub const DEFAULT_PREFILL_TOKEN_CAPACITY: u64 = 10_000_000;
-
-/// A failed selection.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PolicyError {
-    /// No candidate was offered (the service maps this to `NoEndpoints` or
-    /// `AllEligibleWorkersOverloaded` from what it knows about eligibility).
-    #[error("no candidates")]
-    NoCandidates,
-    /// Filters rejected every candidate (`AllEligibleWorkersFiltered`, 503).
-    #[error("all eligible workers were filtered out by the selection policy")]
-    AllFiltered,
-    /// The pinned worker is not among the candidates.
-    #[error("pinned {worker} is not a candidate")]
-    PinnedNotCandidate { worker: WorkerKey },
-    /// A scorer wrote a non-finite cost (or left a row unwritten) (500).
-    #[error("scorer {scorer} produced a non-finite cost {value} for row {row}")]
-    NonFiniteCost {
-        scorer: usize,
-        row: usize,
-        value: f64,
-    },
-    /// The picker returned a row that does not exist (500).
-    #[error("picker returned row {row} of {len}")]
-    RowOutOfRange { row: usize, len: usize },
-    /// A custom component failed (500).
-    #[error("selection policy component failed: {message}")]
-    Component { message: String },
-}
-
-/// Keeps or drops one candidate; filters run in declaration order.
-pub trait Filter: Send + Sync + fmt::Debug {
-    fn keep(&self, ctx: &SelectionContext<'_>, candidate: &Candidate) -> Result<bool, PolicyError>;
-}
-
-/// Writes one finite, lower-is-better cost per candidate into `costs` (same length as
-/// `candidates`, pre-filled with NaN so an unwritten row is caught). The contributions of
-/// all scorers are summed.
-pub trait Scorer: Send + Sync + fmt::Debug {
-    fn score(
-        &self,
-        ctx: &SelectionContext<'_>,
-        candidates: &[Candidate],
-        costs: &mut [f64],
-    ) -> Result<(), PolicyError>;
-}
-
-/// Chooses one row given the summed costs.
-pub trait Picker: Send + Sync + fmt::Debug {
-    fn pick(
-        &self,
-        ctx: &SelectionContext<'_>,
-        candidates: &[Candidate],
-        costs: &[f64],
-        rng: &mut PickRng,
-    ) -> Result<usize, PolicyError>;
-}
 
 /// Advisory load of the chosen worker (`scheduling.md` §4.6).
 #[derive(Debug, Clone, Copy, PartialEq)]
