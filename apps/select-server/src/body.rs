@@ -134,10 +134,7 @@ pub(crate) fn parse_json<T: DeserializeOwned>(
         // Every request body is an object. serde's derived structs would also accept an
         // array of positional fields, which the contract rejects. Syntax errors (an empty
         // body included) still win: they are 400, not 422.
-        let mut de = serde_json::Deserializer::from_slice(bytes);
-        serde::de::IgnoredAny::deserialize(&mut de)
-            .and_then(|_| de.end())
-            .map_err(|e| classify(&e, "."))?;
+        parse_as_value(bytes).map_err(|e| classify(&e, "."))?;
         let kind = match first {
             Some(b'[') => "sequence",
             Some(b'"') => "string",
@@ -152,10 +149,18 @@ pub(crate) fn parse_json<T: DeserializeOwned>(
     }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        // Syntax before shape: a shape error met before the part serde_json cannot parse
+        // (a bad number or string further on, in a member this type skips) is still a 400.
+        if let serde_json::error::Category::Data = e.inner().classify()
+            && let Err(syntax) = parse_as_value(bytes)
+        {
+            return classify(&syntax, ".");
+        }
         let path = e.path().to_string();
         classify(e.inner(), &path)
     })?;
     de.end().map_err(|e| classify(&e, "."))?;
+    check_skipped_values(bytes).map_err(|e| classify(&e, "."))?;
     Ok(value)
 }
 
@@ -173,7 +178,112 @@ pub(crate) fn try_parse_json<T: DeserializeOwned>(bytes: &[u8], limits: &BodyLim
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = T::deserialize(&mut de).ok()?;
     de.end().ok()?;
+    check_skipped_values(bytes).ok()?;
     Some(value)
+}
+
+/// Rejects what `serde_json` rejects in a value that a typed parse skipped. A struct skips a
+/// member it does not know (serde's `IgnoredAny`), and serde_json checks a skipped value's
+/// syntax but not what only keeping it reveals: a number out of `f64` range (`1e400`), a
+/// string that is not UTF-8 or escapes a lone surrogate, nesting past serde_json's
+/// recursion limit. The contract answers 400 to every body serde_json cannot parse.
+///
+/// [`plainly_skippable`] proves most bodies free of all four in one cheap pass; only the
+/// others are walked again, by [`KeptValue`], which sees every value as
+/// `serde_json::Value` would without building one.
+fn check_skipped_values(bytes: &[u8]) -> Result<(), serde_json::Error> {
+    if plainly_skippable(bytes) {
+        return Ok(());
+    }
+    parse_as_value(bytes)
+}
+
+/// Whether serde_json parses `bytes` as one JSON value, checked the way
+/// `serde_json::Value` parses without building one.
+fn parse_as_value(bytes: &[u8]) -> Result<(), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    KeptValue::deserialize(&mut de)?;
+    de.end()
+}
+
+/// Whether skipping any value of `bytes` accepts only what keeping it would, judged from
+/// bytes alone: an out-of-range number needs an exponent (a digit directly followed by `e` or
+/// `E`) or a run of at least 309 digits, which fills some aligned 155-byte block; a bad
+/// string needs a byte above ASCII or a backslash; the recursion limit (128) needs as many
+/// openers. A string can trip these too, which only costs the exact walk.
+fn plainly_skippable(bytes: &[u8]) -> bool {
+    const BLOCK: usize = 155;
+    let (mut unusual, mut openers) = (false, 0usize);
+    for block in bytes.chunks(BLOCK) {
+        // Branch-free per byte, so the loop vectorizes; u8 counters cannot overflow a block.
+        let (mut digits, mut opens, mut odd) = (0u8, 0u8, 0u8);
+        for &b in block {
+            digits += u8::from(b.is_ascii_digit());
+            opens += u8::from((b == b'[') | (b == b'{'));
+            odd |= u8::from((b >= 0x80) | (b == b'\\'));
+        }
+        openers += usize::from(opens);
+        unusual |= (odd != 0) | (usize::from(digits) == BLOCK);
+    }
+    let exponent = bytes
+        .iter()
+        .zip(&bytes[1.min(bytes.len())..])
+        .fold(false, |seen, (&a, &b)| {
+            seen | (a.is_ascii_digit() & ((b | 0x20) == b'e'))
+        });
+    !unusual && !exponent && openers < 128
+}
+
+/// Any JSON value, deserialized the way `serde_json::Value` is (`deserialize_any`: numbers
+/// converted, strings decoded) and dropped.
+struct KeptValue;
+
+impl<'de> serde::Deserialize<'de> for KeptValue {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(KeptValue)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for KeptValue {
+    type Value = KeptValue;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self, E> {
+        Ok(self)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self, E> {
+        Ok(self)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self, E> {
+        Ok(self)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self, E> {
+        Ok(self)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Self, E> {
+        Ok(self)
+    }
+
+    fn visit_unit<E>(self) -> Result<Self, E> {
+        Ok(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self, A::Error> {
+        while seq.next_element::<KeptValue>()?.is_some() {}
+        Ok(self)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self, A::Error> {
+        while map.next_entry::<KeptValue, KeptValue>()?.is_some() {}
+        Ok(self)
+    }
 }
 
 fn classify(e: &serde_json::Error, path: &str) -> ApiError {
@@ -371,6 +481,121 @@ mod tests {
         assert!(e.message.contains("token_ids[2]"), "{}", e.message);
         let e = parse_json::<T>(br#"{"token_ids":[1,2}"#, &l).unwrap_err();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
+    }
+
+    /// A body type that knows one member and skips the rest, as every request DTO does.
+    #[derive(Debug, serde::Deserialize)]
+    struct Known {
+        #[expect(dead_code, reason = "only acceptance matters")]
+        #[serde(default)]
+        a: Option<u32>,
+    }
+
+    /// What the contract accepts: exactly the bodies serde_json parses.
+    fn serde_json_parses(body: &[u8]) -> bool {
+        serde_json::from_slice::<serde_json::Value>(body).is_ok()
+    }
+
+    #[test]
+    fn skipped_members_are_rejected_where_serde_json_rejects_them() {
+        let l = BodyLimits::default();
+        let deep = format!("{{\"x\":{}1{}}}", "[".repeat(130), "]".repeat(130));
+        let (nines_309, nines_308) = (
+            format!(r#"{{"foo": {}}}"#, "9".repeat(309)),
+            format!(r#"{{"foo": {}}}"#, "9".repeat(308)),
+        );
+        let deep_limits = BodyLimits {
+            max_json_depth: 200,
+            ..BodyLimits::default()
+        };
+        let cases: &[(&[u8], &BodyLimits, Option<&str>)] = &[
+            (
+                br#"{"foo": 1e400}"#,
+                &l,
+                Some("number out of range at line 1 column 13"),
+            ),
+            (br#"{"foo": -1.5E+309}"#, &l, Some("number out of range")),
+            (
+                br#"{"a":1,"foo":{"x":[1,2e999]}}"#,
+                &l,
+                Some("number out of range"),
+            ),
+            (nines_309.as_bytes(), &l, Some("number out of range")),
+            (br#"{"foo": "\ud800"}"#, &l, Some("hex escape")),
+            (
+                b"{\"foo\": \"\xff\"}",
+                &l,
+                Some("invalid unicode code point"),
+            ),
+            (b"{\"\xc3\": 1}", &l, Some("invalid unicode code point")),
+            (
+                deep.as_bytes(),
+                &deep_limits,
+                Some("recursion limit exceeded"),
+            ),
+            // syntax before shape: a wrong type met first does not hide the bad number
+            (
+                br#"{"a": "no", "foo": 1e400}"#,
+                &l,
+                Some("number out of range"),
+            ),
+            // what serde_json keeps fine stays accepted
+            (
+                br#"{"foo": 1e-400, "bar": 1e308, "baz": "1e400"}"#,
+                &l,
+                None,
+            ),
+            (nines_308.as_bytes(), &l, None),
+            (
+                b"{\"foo\": \"\\ud83d\\ude00 caf\\u00e9\", \"b\": \"caf\xc3\xa9\"}",
+                &l,
+                None,
+            ),
+            (br#"{"a": 7, "m1e": [0, -0.5e3]}"#, &l, None),
+        ];
+        for (body, limits, error) in cases {
+            let shown = String::from_utf8_lossy(body);
+            let got = parse_json::<Known>(body, limits);
+            assert_eq!(got.is_ok(), serde_json_parses(body), "{shown}");
+            match error {
+                Some(needle) => {
+                    let e = got.unwrap_err();
+                    assert_eq!(e.status, StatusCode::BAD_REQUEST, "{shown}");
+                    assert!(e.message.starts_with(PARSE_PREFIX), "{}", e.message);
+                    assert!(e.message.contains(needle), "{shown}: {}", e.message);
+                    assert!(try_parse_json::<Known>(body, limits).is_none(), "{shown}");
+                }
+                None => assert!(try_parse_json::<Known>(body, limits).is_some(), "{shown}"),
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Bodies built from the pieces that decide it (digits, exponents, escapes, bytes above
+        /// ASCII, nesting): a skipping parse accepts exactly what serde_json parses.
+        #[test]
+        fn skipping_accepts_exactly_what_serde_json_parses(
+            pieces in proptest::collection::vec(0usize..14, 0..12),
+        ) {
+            const PIECES: [&[u8]; 14] = [
+                b"1", b"9", b"0", b"e", b"E", b"+", b"-", b".", b"\\u", b"d8", b"00", b"\xc3",
+                b"\xa9", b"a",
+            ];
+            let inner: Vec<u8> = pieces.iter().flat_map(|&i| PIECES[i].iter().copied()).collect();
+            for body in [
+                [&b"{\"x\":"[..], &inner, b"}"].concat(),
+                [&b"{\"x\":\""[..], &inner, b"\"}"].concat(),
+                [&b"{\"x\":[\""[..], &inner, b"\",1]}"].concat(),
+            ] {
+                let l = BodyLimits::default();
+                proptest::prop_assert_eq!(
+                    parse_json::<Known>(&body, &l).is_ok(),
+                    serde_json_parses(&body),
+                    "{}",
+                    String::from_utf8_lossy(&body)
+                );
+            }
+        }
     }
 
     #[test]

@@ -35,10 +35,10 @@
 //!   count of openers and commas skips the exact scan when it cannot fail.
 //! - The selection routes have a fast path (docs/hot-path.md): `token_ids` is cut out of the
 //!   body and parsed by a dedicated loop, the rest by serde without path tracking; anything
-//!   unusual falls back to the exact parse, so error messages are those of serde. On a
-//!   2,048-token body this took server CPU per `/select` from ≈ 200 µs to ≈ 50–70 µs; the
-//!   other part of that gain is running `/select` inline instead of on the blocking pool
-//!   unless it would wait in the admission queue.
+//!   unusual falls back to the exact parse, so error messages are those of serde. Members a
+//!   body type skips are checked for what serde_json rejects only in a value it keeps (an
+//!   out-of-range number, a bad string): a cheap byte screen clears most bodies, and only
+//!   the part the dedicated loop did not parse is screened.
 
 pub mod auth;
 pub mod backend;

@@ -169,6 +169,58 @@ async fn syntax_errors_are_400() {
 }
 
 #[tokio::test]
+async fn bodies_serde_json_cannot_parse_are_400_on_every_json_route() {
+    // A member no DTO knows is still JSON the contract parses: 1e400 is out of f64 range.
+    let h = Harness::new();
+    for (method, path) in [
+        (Method::POST, "/workers"),
+        (Method::PATCH, "/workers/1"),
+        (Method::POST, "/select"),
+        (Method::POST, "/select_and_reserve"),
+        (Method::POST, "/reservations"),
+        (Method::POST, "/reservations/r1/output_block"),
+        (Method::POST, "/potential_loads"),
+        (Method::POST, "/overlap_scores"),
+        (Method::POST, "/replica_sync/register_peer"),
+        (Method::POST, "/replica_sync/deregister_peer"),
+    ] {
+        let r = h.json(method.clone(), path, r#"{"foo": 1e400}"#).await;
+        assert_eq!(
+            r.status,
+            StatusCode::BAD_REQUEST,
+            "{method} {path}: {}",
+            r.body
+        );
+        assert_eq!(
+            r.error(),
+            format!("{SYNTAX}number out of range at line 1 column 13"),
+            "{method} {path}"
+        );
+    }
+    // The selection fast path cuts `token_ids` out; what it leaves is checked all the same.
+    for path in ["/select", "/select_and_reserve"] {
+        let r = h
+            .json(
+                Method::POST,
+                path,
+                r#"{"token_ids":[1,2,3],"x":{"y":[-2E+999]}}"#,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path}: {}", r.body);
+        assert!(r.error().contains("number out of range"), "{}", r.error());
+    }
+    let r = h
+        .json(
+            Method::POST,
+            "/workers",
+            "{\"worker_id\":1,\"x\":\"\\udc00\"}",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert!(h.fake.calls().is_empty());
+}
+
+#[tokio::test]
 async fn trailing_bytes_are_400_and_change_nothing() {
     let h = Harness::new();
     let r = h
