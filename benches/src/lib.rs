@@ -6,17 +6,11 @@
 
 pub mod service_fixture;
 
-/// Deterministic pseudo-random token ids (xorshift), `n` of them, from `seed`.
+/// Deterministic pseudo-random token ids, `n` of them, from `seed` (the pickers' seeded
+/// generator, so the same seed gives the same prompt on every run and platform).
 pub fn tokens(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 150_000) as u32
-        })
-        .collect()
+    let mut rng = selection_policy::PickRng::seeded(seed);
+    (0..n).map(|_| rng.below(150_000) as u32).collect()
 }
 
 /// A core configuration with a fixed random seed (so picks repeat run after run), with KV

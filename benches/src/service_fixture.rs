@@ -23,13 +23,8 @@ pub const RESERVATION_ID: &str = "bench";
 /// a worker-specific tail.
 pub fn prompt(worker: u64, tokens: usize) -> Vec<u32> {
     let mut t: Vec<u32> = (0..1024).collect();
-    let mut seed = tokens as u64 ^ 0x9E37;
-    t.extend((1024..tokens).map(|i| {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(worker + i as u64);
-        (seed >> 40) as u32
-    }));
+    let mut rng = selection_policy::PickRng::seeded((tokens as u64) << 32 ^ worker);
+    t.extend((1024..tokens).map(|_| (rng.next_u64() >> 40) as u32));
     t.truncate(tokens);
     t
 }

@@ -177,9 +177,9 @@ async fn drive(args: &Args, server: &ServerProcess) -> Result<Vec<RunResult>> {
         populate(addr).await?
     } else {
         // Bodies of the same shape; the ceiling server does not look at them.
-        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+        let mut rng = rand::rng();
         (0..WORKERS)
-            .map(|_| (0..PROMPT_TOKENS).map(|_| rng.token()).collect())
+            .map(|_| (0..PROMPT_TOKENS).map(|_| token(&mut rng)).collect())
             .collect()
     };
     let bodies = Arc::new(request_bodies(&prefixes, args.sessions));
@@ -268,13 +268,13 @@ async fn populate(addr: SocketAddr) -> Result<Vec<Vec<u32>>> {
     let (status, body) = call(&mut conn, Method::GET, "/ready", Bytes::new()).await?;
     ensure!(status == StatusCode::OK, "GET /ready: {status} {body}");
 
-    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut rng = rand::rng();
     // A system prompt shared by every worker's prefix, so the walk branches after it.
-    let shared: Vec<u32> = (0..256).map(|_| rng.token()).collect();
+    let shared: Vec<u32> = (0..256).map(|_| token(&mut rng)).collect();
     let mut prefixes = Vec::new();
     for id in 0..WORKERS {
         let mut prefix = shared.clone();
-        prefix.extend((shared.len()..PROMPT_TOKENS).map(|_| rng.token()));
+        prefix.extend((shared.len()..PROMPT_TOKENS).map(|_| token(&mut rng)));
         let req = json!({
             "token_ids": prefix,
             "pinned_worker": {"worker_id": id, "dp_rank": 0},
@@ -300,13 +300,13 @@ async fn populate(addr: SocketAddr) -> Result<Vec<Vec<u32>>> {
 /// fresh tokens up to [`PROMPT_TOKENS`], so the walk stops at different depths. With
 /// `sessions`, body `i` carries `"session_id": "session-i"`.
 fn request_bodies(prefixes: &[Vec<u32>], sessions: bool) -> Vec<Bytes> {
-    let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+    let mut rng = rand::rng();
     (0..BODIES)
         .map(|i| {
             let prefix = &prefixes[i % prefixes.len()];
             let keep = PROMPT_TOKENS / 4 * (1 + (i / prefixes.len()) % 4);
             let mut tokens: Vec<u32> = prefix[..keep].to_vec();
-            tokens.extend((keep..PROMPT_TOKENS).map(|_| rng.token()));
+            tokens.extend((keep..PROMPT_TOKENS).map(|_| token(&mut rng)));
             let body = if sessions {
                 json!({ "token_ids": tokens, "session_id": format!("session-{i}") })
             } else {
@@ -480,17 +480,10 @@ fn print_results(results: &[RunResult]) {
     }
 }
 
-/// Deterministic token ids below a realistic vocabulary size.
-#[derive(Debug)]
-pub(crate) struct XorShift(pub(crate) u64);
-
-impl XorShift {
-    pub(crate) fn token(&mut self) -> u32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % 128_000) as u32
-    }
+/// A random token id below a realistic vocabulary size. Load tests need prompts that
+/// differ from each other, not the same prompts on every run, so this is `rand`'s.
+pub(crate) fn token(rng: &mut impl rand::RngExt) -> u32 {
+    rng.random_range(0..128_000)
 }
 
 /// The server child process; killed when dropped, so an error anywhere stops it.

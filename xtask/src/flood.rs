@@ -35,7 +35,7 @@ use clap::{Parser, ValueEnum};
 use http::{Method, StatusCode};
 use serde_json::json;
 
-use crate::bench_http::{ServerProcess, XorShift, call, connect, send};
+use crate::bench_http::{ServerProcess, call, connect, send, token};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Scenario {
@@ -339,11 +339,11 @@ async fn register(
 
 /// `{"token_ids": [...]}` bodies without the closing brace, so an id can be appended.
 fn prompts(count: usize, tokens: usize) -> Arc<Vec<String>> {
-    let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+    let mut rng = rand::rng();
     Arc::new(
         (0..count)
             .map(|_| {
-                let t: Vec<u32> = (0..tokens).map(|_| rng.token()).collect();
+                let t: Vec<u32> = (0..tokens).map(|_| token(&mut rng)).collect();
                 let mut s = json!({ "token_ids": t }).to_string();
                 s.pop();
                 s
@@ -528,9 +528,9 @@ impl EngineBatches {
             let base = (engine << 40) | ((k as u64) << 20);
             (0..BATCH_BLOCKS as u64).map(|b| base | b).collect()
         };
-        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15 ^ (engine + 1));
+        let mut rng = rand::rng();
         let tokens: Vec<Vec<u32>> = (0..POOL_SEQUENCES)
-            .map(|_| (0..BATCH_BLOCKS * 16).map(|_| rng.token()).collect())
+            .map(|_| (0..BATCH_BLOCKS * 16).map(|_| token(&mut rng)).collect())
             .collect();
         let mut fill = Vec::with_capacity(POOL_SEQUENCES);
         let mut steady = Vec::with_capacity(POOL_SEQUENCES);

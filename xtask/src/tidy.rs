@@ -170,6 +170,43 @@ fn dependency_edges_follow_the_layering() {
     }
 }
 
+/// The names `[workspace.dependencies]` of the root manifest declares, read line by line:
+/// the table holds one `name = ...` per line and comments, nothing the test must parse
+/// deeper.
+fn declared_workspace_dependencies() -> BTreeSet<String> {
+    let text = std::fs::read_to_string(root().join("Cargo.toml")).expect("root Cargo.toml");
+    text.lines()
+        .skip_while(|l| l.trim() != "[workspace.dependencies]")
+        .skip(1)
+        .take_while(|l| !l.trim_start().starts_with('['))
+        .filter_map(|l| {
+            let l = l.trim();
+            let (name, _) = l.split_once('=')?;
+            (!l.starts_with('#')).then(|| name.trim().to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn every_workspace_dependency_is_used() {
+    let meta = metadata();
+    let used: BTreeSet<&str> = meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|p| p["dependencies"].as_array().into_iter().flatten())
+        .filter_map(|d| d["rename"].as_str().or_else(|| d["name"].as_str()))
+        .collect();
+    let unused: Vec<String> = declared_workspace_dependencies()
+        .into_iter()
+        .filter(|d| !used.contains(d.as_str()))
+        .collect();
+    assert!(
+        unused.is_empty(),
+        "the root Cargo.toml declares workspace dependencies no crate uses: {unused:?}"
+    );
+}
+
 #[test]
 fn no_environment_reads_under_crates() {
     let mut offenders = Vec::new();

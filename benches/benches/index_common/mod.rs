@@ -36,11 +36,9 @@ pub fn load_trace() -> Vec<Vec<u64>> {
         .collect()
 }
 
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+/// A well-mixed hash of `x`: the first draw of the pickers' generator seeded with it.
+fn mix(x: u64) -> u64 {
+    selection_policy::PickRng::seeded(x).next_u64()
 }
 
 /// Local hashes of a request's blocks at `block_size` (hash ids are chained, so a

@@ -346,11 +346,9 @@ mod tests {
         for v in edge {
             assert_eq!(cached_tokens(v, 1), reference(v), "{v}");
         }
-        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        let mut rng = crate::PickRng::seeded(0x9E37_79B9_7F4A_7C15);
         for _ in 0..100_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             let blocks = (x % 1_000_000) as f64 / 64.0 + (x >> 40) as f64 * 1e-3;
             let bs = 1 + (x % 64) as u32;
             assert_eq!(
@@ -363,11 +361,9 @@ mod tests {
 
     #[test]
     fn cache_inputs_cached_tokens_matches_the_float_form() {
-        let mut x = 0x2545_F491_4F6C_DD1D_u64;
+        let mut rng = crate::PickRng::seeded(0x2545_F491_4F6C_DD1D);
         for i in 0..50_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             let cache = CacheInputs {
                 device_blocks: (x % 70_000) as u32,
                 // Half the cases are device-only (the integer path).

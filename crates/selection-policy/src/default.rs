@@ -755,13 +755,8 @@ mod tests {
     /// that are not powers of two and counts beyond `i64::MAX`.
     #[test]
     fn tracked_loop_matches_general_loop() {
-        let mut x = 0x0123_4567_89AB_CDEF_u64;
-        let mut next = move |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
+        let mut rng = PickRng::seeded(0x0123_4567_89AB_CDEF);
+        let mut next = move |m: u64| rng.below(m);
         let (mut fast, mut general) = (vec![0.0; 64], vec![0.0; 64]);
         for round in 0..2_000 {
             let config = RouterConfig {
@@ -846,13 +841,8 @@ mod tests {
 
     #[test]
     fn softmax_picks_match_the_libm_linear_scan_picker() {
-        let mut x = 0x5DEE_CE66_D1CE_4E5B_u64;
-        let mut next = move |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
+        let mut rng = PickRng::seeded(0x5DEE_CE66_D1CE_4E5B);
+        let mut next = move |m: u64| rng.below(m);
         for round in 0..400 {
             let n = 2 + next(300) as usize;
             // Small integer costs make ties and zero weights (exact cumulative plateaus).

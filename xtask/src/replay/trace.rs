@@ -72,12 +72,10 @@ pub(crate) fn tokens_into(row: &TraceRow, out: &mut Vec<u32>) {
     }
 }
 
-/// SplitMix64 finalizer folded into a 17-bit vocabulary (a realistic token id range).
+/// A pure function of `x` folded into a 17-bit vocabulary (a realistic token id range): the
+/// first draw of the pickers' seeded generator, so the replay's prompts never change.
 fn token(x: u64) -> u32 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) & 0x1_FFFF) as u32
+    (selection_policy::PickRng::seeded(x).next_u64() & 0x1_FFFF) as u32
 }
 
 /// A request prepared once and replayed under every policy.
