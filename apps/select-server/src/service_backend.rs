@@ -1,8 +1,10 @@
 //! [`Backend`] over the in-process [`SelectionService`]: DTO <-> service-type conversions
 //! and the error mapping. Operations that may block (catalog changes join listener
-//! threads) run on the blocking pool so the async workers never stall. Selections and
-//! bookings go through the service's async methods, which run them inline and move to the
-//! blocking pool only those that would wait (admission queue, a session being initialized).
+//! threads) run on tokio's blocking pool so the async workers never stall. Selections and
+//! bookings go through the service's async methods, which run them inline and give only
+//! those that would wait (admission queue, a session being initialized) a thread of their
+//! own, outside tokio's blocking pool, so waiters cannot fill it and stall the catalog
+//! work above.
 
 use std::sync::Arc;
 

@@ -63,21 +63,16 @@
 //!   by `replay_timeout` (default 5 s, unlike the reference's unbounded wait), while the
 //!   group's other listeners keep reading. An abandoned replay closes its DEALER so late
 //!   answers cannot be mistaken for the next replay's.
-//! - Groups instead of a thread per listener: 1,200 event-driven workers used to mean 1,200
-//!   threads, past the `pids.max` many container platforms set. Groups wait in `epoll`
-//!   (`mio`, already in the tree under tokio) rather than `zmq_poll`, which checks every
-//!   socket of the group on each wake-up with two system calls: at 32 listeners per group
-//!   that made a steady 2,000 batches/s cost 115 µs of CPU per batch, against 33–38 µs now
-//!   and 50–63 µs with a thread per listener. Under a flood (200 engines, 20,000 batches) a
-//!   batch costs 16 µs instead of 34–45 µs. The service puts up to 64 listeners in a group
-//!   and keeps at least one group per core.
+//! - Groups instead of a thread per listener: a thread each would make 1,200 event-driven
+//!   workers 1,200 threads, past the `pids.max` many container platforms set. Groups wait
+//!   in `epoll` (`mio`, already in the tree under tokio) rather than `zmq_poll`, which
+//!   checks every socket of the group on each wake-up with two system calls. The service
+//!   puts up to 64 listeners in a group and keeps at least one group per core. Per-batch
+//!   CPU figures of these choices are in docs/hot-path.md ("KV event listeners").
 //! - Deviation: replayed batches at or below the watermark are skipped rather than re-applied.
-//! - Throughput (bench `events`: one batch of 32 stored events × 16 blocks × 16 tokens,
-//!   decode + filter + re-hash on one core): median 68–78 µs per batch, i.e. 6.6–7.5 M
-//!   blocks/s and about 0.45 M events/s; decoding alone is 54–57 µs. Measured on the shared
-//!   2-core dev machine with other builds running. Token ids are most of the bytes, so
-//!   their common integer encodings are read in one tight loop instead of per-value calls
-//!   (that loop took the batch from 109 µs to under 80 µs).
+//! - Token ids are most of a batch's bytes, so their common integer encodings are read in
+//!   one tight loop instead of per-value calls (throughput: bench `events`, figures in
+//!   docs/hot-path.md).
 
 pub mod decode;
 mod endpoint;

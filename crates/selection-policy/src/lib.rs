@@ -28,27 +28,32 @@
 //!   choice. Candidates should be passed in ascending `(worker_id, dp_rank)` order.
 //!
 //! # Design choices
+//! - The plugin traits and their error live in `traits.rs`, below everything else: the
+//!   built-in scorers and pickers (`default.rs`, `bounded.rs`) implement them and the
+//!   composing [`Policy`] (`policy.rs`) builds on both, with no import running back up.
 //! - Rows are small `Copy` structs in one slice instead of column trait objects: a scorer
 //!   is a tight loop over contiguous memory, and filtering copies survivors into a reused
 //!   [`Scratch`] only when a filter, a pin or an affinity target is present.
 //! - The PRNG is a 64-bit SplitMix owned here rather than `rand`, to keep the plugin crate
-//!   dependency-free and the picker sequence stable across `rand` versions.
+//!   dependency-free and the picker sequence stable across `rand` versions. It is the
+//!   workspace's one seeded generator: benches and the trace replay draw their
+//!   reproducible inputs from [`PickRng`] too.
 //! - The softmax picker compares `cumsum(w) ≥ u·total` instead of normalizing every
 //!   weight: one pass writes each row's running sum into a per-thread buffer (no division
 //!   per row, no allocation in steady state), and since weights are non-negative the
 //!   spec's "first row whose cumulative probability reaches u" is a binary search.
 //! - `exp` is our own (`exp.rs`: 32-entry `2^(j/32)` table and a degree-6 polynomial,
 //!   within ≈ 1 ULP of `f64::exp`, tested), not libm's: on baseline x86-64 (no target-cpu
-//!   flags) `f64::exp` is a library call per row, a third of the picker's time. Picks stay
-//!   deterministic for a seed and are the same on every platform; against the libm picker
-//!   a pick can differ only when a draw lands within ~1e-16 (relative) of a cumulative
-//!   boundary (a unit test compares them; 1.6 M benchmark draws showed no difference).
+//!   flags) `f64::exp` is a library call per row. Picks are deterministic for a seed and
+//!   the same on every platform; against the libm picker a pick can differ only when a
+//!   draw lands within ~1e-16 (relative) of a cumulative boundary (a unit test compares
+//!   them).
 //! - [`DefaultScorer`] runs the default configuration (prefill tracked, no credit decay)
 //!   in its own loop: configuration branches hoisted, `cached_tokens` evaluated only when
 //!   it can exceed `isl` (below, the raw prefill is `active + isl`), signed
 //!   integer-to-float conversions (one instruction instead of six) and a reciprocal
 //!   multiply for power-of-two block sizes (exact). A test checks it bit for bit against
-//!   the general loop. No libm call (`round`, `exp`, `tanh`) remains per candidate;
+//!   the general loop. No libm call (`round`, `exp`, `tanh`) runs per candidate;
 //!   [`preferred_taint_multiplier`] skips its two when no preferred taint matches.
 //! - [`Policy::default_policy`] holds its scorer and picker by value and calls them
 //!   directly (a composed policy boxes them): no virtual calls, no NaN pre-fill of the cost
@@ -57,8 +62,8 @@
 //! - Two rows at `T > 0` (a few workers per model is common) need no division and no `exp`:
 //!   range normalization maps them to 0 and 1, so their weights are `1` and `exp(−1/T)`,
 //!   which the picker computes once per configured temperature. Power-of-two block sizes
-//!   get `1/B` from the exponent bits and `ceil(isl/B)` from a shift: the division latency
-//!   was on the path from the rows to the result.
+//!   get `1/B` from the exponent bits and `ceil(isl/B)` from a shift, keeping divisions off
+//!   the path from the rows to the result.
 //! - [`CandidateRows`] is a table read row by row, for a caller that can build a row on
 //!   demand (the service reads each from its roster, the index hits and the ledger). Over
 //!   such a table, [`Policy::select_rows`] with the built-in policy costs each row as it is
@@ -66,39 +71,23 @@
 //!   no 104-byte row is stored and read back. [`Policy::select`] takes the same path for a
 //!   slice. This holds when nothing restricts the table (no pin, no affinity target) and
 //!   the request takes the scorer's common configuration; anything else collects the rows
-//!   and runs filters, scorers and picker as before. A test checks both entry points
+//!   and runs filters, scorers and picker in turn. A test checks both entry points
 //!   against the composed policy over 2,000 random tables.
 //! - A table may promise [`CandidateRows::device_only`]: no host, disk or shared-beyond
 //!   blocks and a taint multiplier of 1 on every row (the service's per-slot hits). The
 //!   fused pass then drops those terms, which are exact zeros and an exact 1 otherwise, so
 //!   the costs are bit for bit the same (the random-table test marks a third of its tables
-//!   so; debug builds assert the promise on every row). With the service's other changes
-//!   this took its 128-row loop from ≈ 100 to ≈ 80 instructions per row (callgrind).
+//!   so; debug builds assert the promise on every row).
 //! - The finiteness check folds over tables above 8 rows without an early exit, which
-//!   vectorizes, and searches for the failing row only when there is one: −465
-//!   instructions at 128 rows, +3 at two (small tables keep the plain search).
+//!   vectorizes, and searches for the failing row only when there is one; small tables
+//!   keep the plain search.
 //! - Temperature 0 finds the minimum in one pass and looks for rows tying it only after
-//!   it, drawing one number when the minimum is tied (and none otherwise). The earlier
-//!   single pass drew at every row tying the running minimum: idle workers tie on a cost
-//!   above the minimum all the time. Which tied row a given seed picks changed with this;
-//!   the choice stays uniform (tested).
-//! - Bench (`cargo bench -p benches --bench select_default -- --warm-up-time 1
-//!   --measurement-time 2`) on the shared 2-core machine, per candidate. Its speed swings
-//!   by about ±25 % between hours, so these are ranges of run medians, 2026-11-30, nine
-//!   runs of the current code (five of them interleaved with the code of the morning):
-//!   - t = 0: 20.0–28.7 ns at 2 rows (median 21.5), 7–11 ns at 32 to 10,000;
-//!   - t = 0.7: 26.6–29.2 ns at 2 rows (median 28.7), 15–21 ns at 32 to 10,000;
-//!   - the morning's code in the interleaved runs: 20.6–30.5 ns (t = 0) and 24.6–33.2 ns
-//!     (t = 0.7) at 2 rows, medians 23.7 and 31.2.
+//!   it, drawing one number when the minimum is tied (and none otherwise): idle workers
+//!   often tie on a cost above the minimum, and those ties cost no draw. The choice among
+//!   tied rows is uniform (tested).
 //!
-//!   The target is 30 ns. Every run met it at every size; the closest is two rows at
-//!   t = 0.7, about 4 % under, so a slow hour can still push a single run over.
-//!   Callgrind counts per two-row selection: 576 → 512 → 465 (t = 0) and
-//!   777 → 504 → 443 (t = 0.7) over the last two sessions; 1,024 rows 85.3 k → 83.0 k
-//!   (t = 0). Two attempts to go further were measured and dropped: checking finiteness
-//!   while scoring (the flag cost a register: +8 instructions at two rows) and drawing the
-//!   random number before scoring so its multiplies overlap it (+24 instructions, timings
-//!   within the noise).
+//! The per-candidate cost of a selection and its history are in docs/hot-path.md
+//! ("Selection policy"); `cargo bench -p benches --bench select_default` reproduces it.
 
 mod bounded;
 mod builtin;
