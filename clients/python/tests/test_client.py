@@ -451,6 +451,8 @@ def test_loads_potential_loads_overlap_scores_and_dump(client: kv_select.Client)
         assert (scores.block_size, scores.num_blocks) == (4, 4)
         assert [(w.worker_id, w.device_blocks) for w in scores.workers] == [(7, 4)]
         assert scores.shared_cache.enabled is False
+        routed = client.overlap_scores(token_ids=[1], mm_routing_info={"routing_token_ids": TOKENS[:8]})
+        assert routed.num_blocks == 2, "multimodal routing tokens win over token_ids"
 
         dump = client.dump()
         assert set(dump) == {"default:default", "other:default"}
