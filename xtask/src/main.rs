@@ -1,6 +1,8 @@
 //! `cargo xtask`: the one entry point for developer automation.
 //!
-//! - `ci`: everything CI checks, in order: fmt, clippy (`-D warnings`), tests, docs.
+//! - `ci`: everything CI checks, in order: fmt, clippy (`-D warnings`), tests, docs, then
+//!   the Python client and the Ray example against the debug server (`python.rs`).
+//! - `python`: only those Python checks (the debug server must be built).
 //! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
 //! - `bench http [--seconds N] [--connections a,b]`: load test of `POST /select` against the
 //!   release server on loopback (docs/hot-path.md).
@@ -26,6 +28,7 @@ mod bench_http;
 mod flood;
 mod instructions;
 mod loom;
+mod python;
 mod replay;
 #[cfg(test)]
 mod tidy;
@@ -46,6 +49,7 @@ fn run() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match task.as_str() {
         "ci" => ci(),
+        "python" => python::ci(&root()),
         "bench" if rest.first().map(String::as_str) == Some("http") => bench_http::main(&rest[1..]),
         "bench" => {
             let mut a = vec!["bench", "-p", "benches"];
@@ -58,12 +62,14 @@ fn run() -> Result<()> {
         "replay" => replay::main(&rest),
         "" | "help" | "-h" | "--help" => {
             eprintln!(
-                "usage: cargo xtask <ci | bench [criterion args] | bench http --help | instructions --help | flood --help | loom | replay --help>"
+                "usage: cargo xtask <ci | python | bench [criterion args] | bench http --help | instructions --help | flood --help | loom | replay --help>"
             );
             Ok(())
         }
         other => {
-            bail!("unknown task {other:?}; expected ci, bench, instructions, flood, loom or replay")
+            bail!(
+                "unknown task {other:?}; expected ci, python, bench, instructions, flood, loom or replay"
+            )
         }
     }
 }
@@ -93,6 +99,8 @@ fn ci() -> Result<()> {
         &["doc", "--workspace", "--no-deps", "--locked"],
         &[("RUSTDOCFLAGS", "-D warnings"), NOT_INCREMENTAL],
     )?;
+    // After the tests: `cargo test --workspace` built the debug select-server they run against.
+    python::ci(&root())?;
     eprintln!("xtask ci: all checks passed in {:.0?}", started.elapsed());
     Ok(())
 }
