@@ -8,6 +8,8 @@ use serde_json::Value;
 
 use crate::root;
 
+mod imports;
+
 /// Which workspace crates each crate may depend on (normal dependencies). Mirrors the
 /// layering of docs/architecture.md: siblings never depend on each other, only
 /// service-builder joins them, the app stands on service-builder.

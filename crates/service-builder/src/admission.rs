@@ -1,5 +1,5 @@
 //! The partition's admission queue in service form (`spec/scheduling.md` §5): a request
-//! whose eligible ranks are all busy waits (on the blocking pool) until a free, a prefill
+//! whose eligible ranks are all busy waits (on a thread of its own, see `SelectionService`) until a free, a prefill
 //! completion, a catalog change or the periodic re-check lets it through.
 
 use std::sync::Arc;
@@ -122,7 +122,7 @@ impl<'a> Wait<'a> {
 /// Releases what an operation booked for a caller that never received it.
 pub(crate) type Undo = Box<dyn FnOnce() + Send>;
 
-/// The caller's side of an operation an async caller runs on the blocking pool. When the
+/// The caller's side of an operation an async caller runs on a waiting thread. When the
 /// caller goes away ([`Self::cancel`], from a drop guard), a request waiting in the
 /// admission queue leaves it, and what a finished operation booked but nobody received is
 /// freed: service-semantics §5.2, "if the caller disappears ... the booking is freed and

@@ -20,7 +20,7 @@ use kv_types::{KvOperation, WorkerId, WorkerKey};
 use parking_lot::Mutex;
 
 use crate::catalog::{PartitionKey, WorkerRequest};
-use crate::core::Partition;
+use crate::core::partition::Partition;
 
 /// Why `endpoint` cannot reach an engine, for the `inproc://` transport: it only connects
 /// sockets of one ZMQ context, and the listeners' contexts are private to the service, so

@@ -112,105 +112,41 @@
 //! Per-listener rows end with their listener; the `_by_reason` totals come from one
 //! [`kv_events::ReasonTotals`] every listener adds to, so they never go down.
 //!
-//! # Design notes
+//! # Design choices
+//! - The core is one module per concern (`core/`): catalog and partition lifecycle
+//!   (`catalog`), the selection pipeline (`select`, `admit`, `prompt`, `rows`, `sessions`),
+//!   bookings and their lifecycle (`booking`), read-only views and dump/restore
+//!   (`inspect`), event ingestion (`ingest`) and the replica mesh (`replica`). The types
+//!   they share (`partition`, `state`, `attempt`) are leaves, so imports run one way.
 //! - A partition's schedulable workers are one immutable `Roster` snapshot: records shared
 //!   by `Arc`, flat rank rows in `(worker, rank)` order and a key map. A catalog change
-//!   copies the previous roster's pointers and replaces one worker (register + delete with
-//!   10,000 workers: 1.9 ms, was 64 ms when every record was rebuilt).
+//!   copies the previous roster's pointers and replaces one worker.
 //! - A selection asks the index for one device depth per index worker slot
 //!   (`KvIndex::find_device_depths`) and each row reads its depth through a row → slot
 //!   map, rebuilt only when the roster or the index's slot layout changes. Where the index
 //!   cannot answer that way (a lower tier fed, a side index) and for admission (whose
 //!   cached-token limits read the hits themselves), the tiered hits are placed on rows
-//!   through the key map instead: no entry per matching worker to build, convert and
-//!   place.
+//!   through the key map instead.
 //! - Each roster row carries the ledger slot of its rank (bound at publish), so building the
-//!   candidate table reads loads by index, not by key. The roster also keeps the ledger's
-//!   slot layout at binding; while the ledger still reports it (checked once per selection,
-//!   under the ledger lock the rows are read under), no rank gained or lost a slot and the
-//!   rows skip the per-slot key check (≈ 18 instructions per candidate; load-accounting).
-//! - A request without an allow-list or taint rules (the common one) does not build a
-//!   candidate table: the policy reads each row through `selection_policy::CandidateRows`
-//!   straight from the roster, the placed hits and the ledger (locked meanwhile), and the
-//!   built-in policy costs it as it goes. Other requests build the filtered table as before.
-//! - A selection asks the roster whether its partition has a schedulable worker; it used to
-//!   scan the catalog for one, which walked every other partition's records first: in the
-//!   last of ten 120-worker models a 256-token `select` took 14.6 µs, now 4.4 µs
-//!   (`select/10_partitions_of_120`).
-//! - Instruction counts per cycle come from `cargo xtask instructions` (callgrind over the
-//!   same fleet as the `service` bench; docs/architecture.md).
-//! - Cost (`cargo bench -p benches --bench service`, default event-driven config, block size
-//!   16, 2-core VM, criterion medians), select_and_reserve + free, 256 / 4,096-token
-//!   prompts, ranges over six runs in the later session (three at its first commit, three
-//!   at its last; the machine's speed moved more than the code did):
-//!   - 8 workers: 1.5–2.5 / 3.7–5.5 µs;
-//!   - 64 workers: 2.3–3.3 / 4.7–8.2 µs;
-//!   - 128 workers: 2.6–4.3 / 5.6–7.7 µs;
-//!   - 512 workers: 6.9–11.8 / 9.5–13.5 µs;
-//!   - approximate mode, 128 workers / 4,096 tokens: 6.2–7.9 µs.
-//!
-//!   The first session's figures, for the record. Three runs interleaved with the
-//!   morning's code (4,096 tokens, medians): 8 workers 5.6 → 4.7 µs, 128 workers
-//!   9.0 → 6.1 µs, 512 workers 21.4 → 13.5 µs, approximate 17.4 → 7.9 µs. Callgrind per
-//!   booking + free, morning → now: 8 workers 33.9 k → 32.4 k instructions, 128 workers
-//!   69.4 k → 47.9 k, 512 workers 143 k → 97.7 k, approximate at 128 workers
-//!   128 k → 53 k. The steps: rows read on demand and costed as they are built
-//!   (69.4 k → 59.2 k at 128 workers), one depth per index slot instead of an entry per
-//!   matching worker (→ 49.2 k), the temperature-0 minimum without a draw per tie
-//!   (→ 47.9 k); in approximate mode, recorded chains the worker already holds are
-//!   skipped (see kv-index; a repeated prompt is that change's best case).
-//!
-//!   Of the 47.9 k at 128 workers and 4,096 tokens, hashing the prompt (block hashes and
-//!   the public chain in one pass, ≈ 2.2 µs) is 18 k, the index walk 5.3 k, the rows and
-//!   their costs 13.3 k (≈ 100 per worker), the pick 1.3 k, and booking, freeing and the
-//!   answer ≈ 10 k, a third of it allocation.
-//! - A later session took callgrind per booking + free (4,096 tokens) from 32.6 k / 40.0 k
-//!   / 48.3 k / 98.0 k to 31.9 k / 37.9 k / 44.5 k / 85.2 k instructions at 8 / 64 / 128 /
-//!   512 workers, and approximate mode at 128 workers from 53.0 k to 48.9 k. The steps:
-//!   the ledger's load column (the projection reads 40 contiguous bytes per rank, not the
-//!   rank's state), device-only scoring of per-slot hits (no lower-tier or taint terms),
-//!   a vectorized finiteness check, one reused run buffer per ledger rank, and one map
-//!   probe each to claim an id and to forget a booked row. A booking in a partition that
-//!   does not record decisions (the event-driven default) no longer takes the index's
-//!   write lock. The row loop is ≈ 80 instructions per worker, hashing 18.4 k, the walk
-//!   5.4 k. Tried and dropped: reading the loads into columns under the ledger lock and
-//!   costing them after releasing it (+0.6 k to +1.3 k instructions at 128 workers: the
-//!   checked read of each rank costs as much as the fused pass saves).
-//! - A third session (`cargo xtask instructions`, whole matrix, instructions per cycle,
-//!   before → after the bound roster's unchecked ledger reads):
-//!
-//!   | workers | 256 tokens | 4,096 tokens |
-//!   |---:|---|---|
-//!   | 8 | 10,749 → 10,600 | 32,192 → 32,025 |
-//!   | 64 | 16,743 → 15,585 | 38,211 → 36,994 |
-//!   | 128 | 23,713 → 21,410 | 44,858 → 42,615 |
-//!   | 512 | 64,557 → 55,338 | 85,467 → 76,122 |
-//!   | 128, approximate | | 48,935 → 46,661 |
-//!
-//!   The row loop is now ≈ 62 instructions per worker. Of the ≈ 42.6 k at 128 workers and
-//!   4,096 tokens, hashing is 18.3 k, the walk 5.3 k, rows, finiteness check and pick
-//!   10.0 k, and the fixed part (claim, booking, answer, free, metrics, request and answer
-//!   drops) ≈ 9 k, of which ≈ 2 k is allocation and ≈ 0.8 k struct moves (`memcpy`).
-//!   Then the reservation index was keyed by the ledger's `ReservationId`, so a booking
-//!   allocates its id once (the claim's copy, shared with the ledger) and the request's
-//!   own id moves into the answer; it had been copied three times: 10,600 → 10,264 at 8
-//!   workers / 256 tokens, 42,615 → 42,210 at 128 / 4,096, 55,338 → 55,000 at 512 / 256.
-//! - The 5 µs at 128 workers and 4,096 tokens is not met on this machine:
-//!   criterion medians were 5.6–7.8 µs in the first session's runs and 5.6–7.7 µs in the
-//!   later one's, while the machine's speed moved by up to 40 % within an hour (the same
-//!   binary hashed 4,096 tokens in 1.6–2.3 µs). Hashing alone is ≈ 40 % of the
-//!   instructions and is at the floor of safe scalar XXH3 (≈ 67 instructions per 16-token
-//!   block and its chain link); 5 µs would need ≈ 37 k instructions at this machine's
-//!   usual rate. The third session found the VM bimodal (docs/architecture.md): per-call
-//!   medians of the cycle were 3.75–4.2 µs in its fast mode and 6.3–6.9 µs in its slow
-//!   one, and the 21 criterion medians taken at 42.6 k instructions ranged 4.6–8.1 µs
-//!   (6.3 µs their median). The slow mode slows the fixed, straight-line part of a cycle
-//!   (1.7× at 128 workers / 256 tokens) more than the tight loops (1.3–1.4×).
+//!   candidate table reads loads by index, not by key; while the ledger's slot layout is
+//!   the one bound (checked once per selection, under the ledger lock), the rows skip the
+//!   per-slot key check.
+//! - A request without an allow-list or taint rules (the common one) builds no candidate
+//!   table: the policy reads each row through `selection_policy::CandidateRows` straight
+//!   from the roster, the placed hits and the ledger (locked meanwhile), and the built-in
+//!   policy costs it as it goes. Other requests build the filtered table.
+//! - Routing-loss counters (prompt, chosen and best cached tokens per booking) reuse the
+//!   placed hits: one pass over the row → depth map, no extra lookup.
+//! - The reservation index is keyed by the ledger's `ReservationId`, so a booking allocates
+//!   its id once and the request's own id moves into the answer.
+//! - Generated selection ids are UUIDv4 from the OS's randomness (`uuid`): clients may
+//!   treat them as unguessable.
 //! - KV hints follow `scheduling.md` §4.8: the root-aligned chain is the device walk
 //!   extended by host_pinned continuations, and sources whose prefix runs past it are not
 //!   eligible. Policy files are parsed by the app; the core takes the resulting
 //!   `selection_policy::PolicyClasses` in [`CoreConfig::policy_classes`].
-//!
+//! - Costs and their history: docs/hot-path.md; instruction counts per cycle:
+//!   `cargo xtask instructions`.
 
 mod admission;
 mod catalog;
@@ -224,6 +160,7 @@ mod replica;
 mod request;
 mod roster;
 mod routing_stats;
+mod scrape;
 mod service;
 mod session;
 

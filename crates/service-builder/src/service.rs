@@ -166,7 +166,7 @@ impl SelectionServiceBuilder {
         };
         let core = SelectionCore::try_new_local(config, self.policy_factory)?;
         if let Some(m) = mesh_config {
-            let sink = Arc::new(crate::replica::CoreSink(Arc::downgrade(&core)));
+            let sink = Arc::new(crate::core::replica::CoreSink(Arc::downgrade(&core)));
             let mesh = replica_sync::ReplicaMesh::start(m, sink)
                 .map_err(|e| BuildError::Startup(e.to_string()))?;
             core.set_replica_mesh(Arc::new(mesh));
