@@ -236,9 +236,10 @@ impl Locality {
 /// Prefix that marks a cache salt inside vLLM `extra_keys` (§5.6).
 const SALT_PREFIX: &str = "dynamo-cache-salt:";
 
-/// Decodes one batch payload (§4). The array form is the contract; the map form
-/// `{ts, events, data_parallel_rank | attn_dp_rank}` seen in one vLLM revision is also accepted.
-/// Bytes after the batch value are ignored.
+/// Decodes one batch payload (§4): the 3-element array every vLLM and SGLang release sends.
+/// Any other batch value, a msgpack map included, is an undecodable batch (`bad_batch_shape`):
+/// the contract rejects it and the listener's watermark does not move. Bytes after the batch
+/// value are ignored.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch<'_>, DecodeError> {
     let mut r = Reader::new(payload);
     match r.kind().at("batch", "array")? {
@@ -253,28 +254,6 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch<'_>, DecodeError> {
             Ok(EventBatch {
                 ts,
                 events,
-                dp_rank,
-            })
-        }
-        Kind::Map => {
-            let pairs = r.read_map_len().at("batch", "map")?;
-            let mut ts = 0.0;
-            let mut events = None;
-            let mut dp_rank = None;
-            for _ in 0..pairs {
-                let key = read_key(&mut r)?;
-                match key {
-                    Some("ts") => ts = r.read_number().at("ts", "number")?,
-                    Some("events") => events = Some(decode_events(&mut r)?),
-                    Some("data_parallel_rank" | "attn_dp_rank") => {
-                        dp_rank = decode_dp_rank(&mut r)?;
-                    }
-                    _ => r.skip().at("batch", "msgpack value")?,
-                }
-            }
-            Ok(EventBatch {
-                ts,
-                events: events.ok_or(DecodeError::MissingField { field: "events" })?,
                 dp_rank,
             })
         }
@@ -1024,8 +1003,10 @@ mod tests {
         }
     }
 
+    /// kv-events §4: the batch is an array; a map (even one with the array's three members
+    /// under names) is rejected as a batch of the wrong shape.
     #[test]
-    fn map_batch_form_is_accepted() {
+    fn map_batch_form_is_rejected() {
         let v = Value::Map(vec![
             (s("ts"), Value::F64(2.0)),
             (
@@ -1034,10 +1015,20 @@ mod tests {
             ),
             (s("data_parallel_rank"), Value::from(-1)),
         ]);
-        let bytes = enc(&v);
-        let b = decode_batch(&bytes).expect("map batch");
-        assert_eq!(b.dp_rank, Some(u32::MAX));
-        assert_eq!(b.events.len(), 1);
+        let err = decode_batch(&enc(&v)).expect_err("a map batch is not the contract's");
+        assert_eq!(
+            err,
+            DecodeError::WrongType {
+                field: "batch",
+                expected: "array",
+            }
+        );
+        assert_eq!(
+            crate::DropReason::from(&err),
+            crate::DropReason::BadBatchShape
+        );
+        // An empty map too.
+        assert!(decode_batch(&[0x80]).is_err());
     }
 
     #[test]

@@ -4,10 +4,11 @@
 //!
 //! # Layers
 //! - [`decode`] (sans-IO): live framing `[topic, seq, payload]` and msgpack batches
-//!   `[ts, events, dp_rank]` (also the map form) with events in every known shape —
-//!   positional arrays (old vLLM, SGLang tuples with the salt map at position 7, vLLM tuples
-//!   with the fixed metadata tail) and `"type"`-tagged maps. Unknown keys are ignored, absent
-//!   trailing fields read as nil, one bad event drops its whole batch.
+//!   `[ts, events, dp_rank]` (the array form only: a map batch is rejected) with events
+//!   in every known shape — positional arrays (old vLLM, SGLang tuples with the salt map
+//!   at position 7, vLLM tuples with the fixed metadata tail) and `"type"`-tagged maps.
+//!   Unknown keys are ignored, absent trailing fields read as nil, one bad event drops its
+//!   whole batch.
 //! - [`Normalizer`] (sans-IO, stateful per stream): the filters of §6 (ownership, locality,
 //!   medium → tier, attention groups learned per rank, cache-salt propagation along parent
 //!   chains) and the conversion of §7 (stored token ids re-hashed into local block hashes with
