@@ -86,6 +86,14 @@ struct Args {
     /// bench reaches, so this measures the cost of admission itself, not waiting.
     #[arg(long, value_name = "FRACTION", conflicts_with = "ceiling")]
     queue_threshold: Option<f64>,
+    /// Drive the load with `wrk` (one thread) instead of the built-in generator, against
+    /// select-server and the ceiling server in alternating rounds, and print both with
+    /// their ratio (bench_wrk.rs). Needs the `wrk` binary.
+    #[arg(long, conflicts_with_all = ["ceiling", "lifecycle", "sessions", "perf", "debug_client"])]
+    wrk: bool,
+    /// Rounds per server and connection count with `--wrk` (the table gives medians).
+    #[arg(long, default_value_t = 3, requires = "wrk")]
+    rounds: usize,
     /// Internal: serve the ceiling server on this address until killed.
     #[arg(long, hide = true, value_name = "ADDR")]
     serve_ceiling: Option<SocketAddr>,
@@ -104,6 +112,9 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     );
     if let Some(addr) = args.serve_ceiling {
         return serve_ceiling(addr);
+    }
+    if args.wrk {
+        return with_wrk(&args);
     }
     if cfg!(debug_assertions) && !args.debug_client {
         // `cargo xtask` builds the xtask with opt-level 1 dependencies; a load generator
@@ -132,6 +143,55 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     let results = runtime.block_on(drive(&args, &server))?;
     print_results(&results);
     Ok(())
+}
+
+/// `--wrk`: both servers up at once, the real one populated, then alternating wrk rounds.
+fn with_wrk(args: &Args) -> Result<()> {
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    crate::bench_wrk::check_installed()?;
+    let binary = match &args.binary {
+        Some(path) => path.clone(),
+        None => {
+            crate::cargo(&["build", "--release", "-p", "select-server"], &[])?;
+            crate::root().join("target/release/select-server")
+        }
+    };
+    let ours = ServerProcess::start(&binary, false, args.queue_threshold)?;
+    let ceiling = ServerProcess::start_ceiling()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("failed to start the client runtime")?;
+    let bodies = runtime.block_on(async {
+        let prefixes = populate(ours.addr).await?;
+        let bodies = request_bodies(&prefixes, false);
+        let mut probe = connect(ours.addr).await?;
+        let (status, answer) = call(&mut probe, Method::POST, "/select", bodies[0].clone()).await?;
+        ensure!(status == StatusCode::OK, "probe /select: {status} {answer}");
+        ensure!(
+            answer["overlap"]["gpu"].as_u64().unwrap_or(0) > 0,
+            "probe /select found no cached blocks: {answer}"
+        );
+        Ok::<_, anyhow::Error>(bodies)
+    })?;
+    let rounds = crate::bench_wrk::run(
+        &ours,
+        &ceiling,
+        &bodies,
+        &args.connections,
+        args.seconds,
+        args.rounds,
+    )?;
+    print_table(&crate::bench_wrk::table(&rounds));
+    Ok(())
+}
+
+#[expect(
+    clippy::print_stdout,
+    reason = "the results table is the task's output"
+)]
+fn print_table(table: &str) {
+    print!("{table}");
 }
 
 /// One measured run.
@@ -745,6 +805,10 @@ mod tests {
         );
         // The ceiling server is the xtask's own: no other binary, no server profile.
         assert!(Args::try_parse_from(["x", "--ceiling", "--binary", "/bin/true"]).is_err());
+        let w = Args::try_parse_from(["x", "--wrk", "--rounds", "5"]).unwrap();
+        assert!(w.wrk && w.rounds == 5);
+        assert!(Args::try_parse_from(["x", "--wrk", "--lifecycle"]).is_err());
+        assert!(Args::try_parse_from(["x", "--rounds", "5"]).is_err());
         let serve = Args::try_parse_from(["x", "--serve-ceiling", "127.0.0.1:9"]).unwrap();
         assert_eq!(
             serve.serve_ceiling,

@@ -25,6 +25,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 mod bench_http;
+mod bench_wrk;
 mod flood;
 mod instructions;
 mod loom;
