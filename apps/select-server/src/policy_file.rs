@@ -135,7 +135,7 @@ pub fn parse(text: &str) -> Result<PolicyFile, String> {
         instance
             .policy
             .validate()
-            .map_err(|e| format!("{at}.{}", field_first(&e.to_string())))?;
+            .map_err(|e| format!("{at}.{}: {e}", e.field()))?;
         worker_selection.insert(name, instance);
     }
     Ok(PolicyFile {
@@ -402,16 +402,6 @@ impl RawInstance {
                  kv-bounded)"
             )),
         }
-    }
-}
-
-/// `slack must be ...` stays as it is: a config error's message starts with its field, so
-/// prefixing the instance path gives `worker_selection.NAME.slack must be ...`; the colon
-/// after the field makes it read like the other errors of this file.
-fn field_first(msg: &str) -> String {
-    match msg.split_once(' ') {
-        Some((field, rest)) => format!("{field}: {field} {rest}"),
-        None => msg.to_owned(),
     }
 }
 

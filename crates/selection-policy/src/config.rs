@@ -42,6 +42,24 @@ pub enum ConfigError {
     PredictedTtlNeedsEvents,
 }
 
+impl ConfigError {
+    /// The setting the error is about (the first one named, for the cross-field rules), so
+    /// a caller can prefix its own path to it.
+    pub fn field(&self) -> &'static str {
+        match self {
+            Self::OverlapScoreCredit { .. } => "overlap_score_credit",
+            Self::NotFiniteNonNegative { field, .. }
+            | Self::OutOfRange { field, .. }
+            | Self::BelowMinimum { field, .. } => field,
+            Self::EventThreads => "router_event_threads",
+            Self::OutputBlocksNeedActiveBlocks => "router_track_output_blocks",
+            Self::PrefillModelNeedsPrefillTracking => "router_prefill_load_model",
+            Self::RemoteAndServeIndexer => "use_remote_indexer",
+            Self::PredictedTtlNeedsEvents => "router_predicted_ttl_secs",
+        }
+    }
+}
+
 /// An enum value that does not parse (aborts startup).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {kind} value {value:?}")]

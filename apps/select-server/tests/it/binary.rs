@@ -81,17 +81,7 @@ fn register_events_select_reserve_lifecycle_loads_dump() {
     let server = Server::start(&[]);
 
     assert_eq!(server.get("/ready").0, 503);
-    for (id, ep) in [
-        (1, format!("tcp://127.0.0.1:{zport}")),
-        (2, format!("tcp://127.0.0.1:{}", free_port())),
-    ] {
-        let (status, record) = server.post(
-            "/workers",
-            json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 4, "kv_events_endpoint": ep}),
-        );
-        assert_eq!(status, 201);
-        assert_eq!(record["lifecycle"], "schedulable", "{record}");
-    }
+    register_pair(&server, zport);
     assert_eq!(server.get("/ready").0, 200);
 
     let tokens: Vec<u32> = (100..132).collect();
@@ -767,14 +757,9 @@ fn port_zero_logs_the_port_it_bound() {
     assert_eq!(health.map(|(status, _)| status), Some(200));
 }
 
-/// Two workers of block size 4; worker 1 holds the whole 32-token prompt through real KV
-/// events and carries one explicit booking of 40 other tokens, worker 2 is idle. Returns
-/// the worker a `/select_and_reserve` of the prompt chose and the `/metrics` text.
-fn cached_but_busier(server: &Server) -> (u64, String) {
-    let ctx = zmq::Context::new();
-    let publisher = ctx.socket(zmq::PUB).unwrap();
-    let zport = free_port();
-    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+/// Registers workers 1 (events from `zport`) and 2 (an endpoint nobody publishes on), block
+/// size 4, both schedulable.
+fn register_pair(server: &Server, zport: u16) {
     for (id, ep) in [
         (1, format!("tcp://127.0.0.1:{zport}")),
         (2, format!("tcp://127.0.0.1:{}", free_port())),
@@ -784,7 +769,19 @@ fn cached_but_busier(server: &Server) -> (u64, String) {
             json!({"worker_id": id, "endpoint": format!("http://w{id}"), "block_size": 4, "kv_events_endpoint": ep}),
         );
         assert_eq!(status, 201, "{record}");
+        assert_eq!(record["lifecycle"], "schedulable", "{record}");
     }
+}
+
+/// Two workers of block size 4; worker 1 holds the whole 32-token prompt through real KV
+/// events and carries one explicit booking of 40 other tokens, worker 2 is idle. Returns
+/// the worker a `/select_and_reserve` of the prompt chose and the `/metrics` text.
+fn cached_but_busier(server: &Server) -> (u64, String) {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let zport = free_port();
+    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    register_pair(server, zport);
     let tokens: Vec<u32> = (100..132).collect();
     let payload = stored_batch(&(500..508).collect::<Vec<_>>(), &tokens, 4);
     let mut seq = 0u64;
