@@ -60,7 +60,8 @@ struct Args {
     /// (e.g. a saved copy of an older build, for before/after comparisons).
     #[arg(long, value_name = "PATH")]
     binary: Option<PathBuf>,
-    /// Record a `perf record -g` profile of the server during the last run into this file.
+    /// Record a `perf record -g` profile of the server during the last run into this file
+    /// (with `--wrk`: select-server's last round at the first connection count).
     #[arg(long, value_name = "PATH")]
     perf: Option<PathBuf>,
     /// Drive the load from this (debug) build of the xtask instead of rerunning it as a
@@ -89,7 +90,7 @@ struct Args {
     /// Drive the load with `wrk` (one thread) instead of the built-in generator, against
     /// select-server and the ceiling server in alternating rounds, and print both with
     /// their ratio (bench_wrk.rs). Needs the `wrk` binary.
-    #[arg(long, conflicts_with_all = ["ceiling", "lifecycle", "sessions", "perf", "debug_client"])]
+    #[arg(long, conflicts_with_all = ["ceiling", "lifecycle", "sessions", "debug_client"])]
     wrk: bool,
     /// Rounds per server and connection count with `--wrk` (the table gives medians).
     #[arg(long, default_value_t = 3, requires = "wrk")]
@@ -181,6 +182,7 @@ fn with_wrk(args: &Args) -> Result<()> {
         &args.connections,
         args.seconds,
         args.rounds,
+        args.perf.as_deref(),
     )?;
     print_table(&crate::bench_wrk::table(&rounds));
     Ok(())
@@ -716,12 +718,12 @@ impl Drop for ServerProcess {
 
 /// `perf record -g -p <server>` for the length of one run.
 #[derive(Debug)]
-struct PerfRecorder {
+pub(crate) struct PerfRecorder {
     child: Child,
 }
 
 impl PerfRecorder {
-    fn start(pid: u32, out: &std::path::Path, seconds: u64) -> Result<Self> {
+    pub(crate) fn start(pid: u32, out: &std::path::Path, seconds: u64) -> Result<Self> {
         let child = Command::new("perf")
             .args(["record", "-g", "-F", "999", "-o"])
             .arg(out)
@@ -733,7 +735,7 @@ impl PerfRecorder {
         Ok(Self { child })
     }
 
-    fn finish(mut self) -> Result<()> {
+    pub(crate) fn finish(mut self) -> Result<()> {
         let status = self.child.wait()?;
         ensure!(status.success(), "perf record failed ({status})");
         Ok(())
@@ -808,6 +810,8 @@ mod tests {
         let w = Args::try_parse_from(["x", "--wrk", "--rounds", "5"]).unwrap();
         assert!(w.wrk && w.rounds == 5);
         assert!(Args::try_parse_from(["x", "--wrk", "--lifecycle"]).is_err());
+        let p = Args::try_parse_from(["x", "--wrk", "--perf", "out.data"]).unwrap();
+        assert!(p.wrk && p.perf.is_some());
         assert!(Args::try_parse_from(["x", "--rounds", "5"]).is_err());
         let serve = Args::try_parse_from(["x", "--serve-ceiling", "127.0.0.1:9"]).unwrap();
         assert_eq!(

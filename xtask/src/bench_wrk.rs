@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::bench_http::ServerProcess;
+use crate::bench_http::{PerfRecorder, ServerProcess};
 
 /// The Lua script, kept next to this file.
 const SCRIPT: &str = include_str!("bench_http_select.lua");
@@ -134,6 +134,7 @@ pub(crate) fn run(
     connections: &[usize],
     seconds: u64,
     rounds: usize,
+    perf: Option<&Path>,
 ) -> Result<Vec<Round>> {
     let dir = crate::root().join("target/bench-http");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -146,7 +147,7 @@ pub(crate) fn run(
     }
     std::fs::write(dir.join("bodies.jsonl"), lines).context("writing the request bodies")?;
     let mut out = Vec::new();
-    for &c in connections {
+    for (i, &c) in connections.iter().enumerate() {
         for (name, server) in [("select-server", ours), ("ceiling", ceiling)] {
             round(name, server, &dir, c, 1)?;
         }
@@ -156,7 +157,15 @@ pub(crate) fn run(
                     "xtask bench http --wrk: {name}, {c} connection(s), round {}",
                     r + 1
                 );
+                let profiled = i == 0 && r + 1 == rounds && name == "select-server";
+                let recorder = match perf.filter(|_| profiled) {
+                    Some(out) => Some(PerfRecorder::start(server.pid(), out, seconds)?),
+                    None => None,
+                };
                 let got = round(name, server, &dir, c, seconds)?;
+                if let Some(recorder) = recorder {
+                    recorder.finish()?;
+                }
                 ensure!(
                     got.non_2xx == 0 && got.socket_errors == 0,
                     "{name}: {} non-2xx answers and {} socket errors",

@@ -194,6 +194,12 @@ struct Cli {
     #[arg(long, default_value = "30", value_parser = parse_positive_secs, value_name = "SECS")]
     http_header_timeout_secs: Duration,
 
+    /// Threads serving HTTP connections, each with a single-threaded runtime that keeps a
+    /// connection from accept to close (default: one per available core). On a host that
+    /// also runs the clients or engines, fewer threads than cores avoid contending for them.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024), value_name = "N")]
+    http_threads: Option<u64>,
+
     /// Seconds a KV listener waits for an engine's gap replay before abandoning it (the
     /// missing batches are then counted lost) and going on with live events (fractional
     /// accepted).
@@ -231,6 +237,8 @@ pub struct ServerConfig {
     pub max_prompt_tokens: u64,
     /// `--http-header-timeout-secs`.
     pub http_header_timeout: Duration,
+    /// `--http-threads` (`None`: one per available core).
+    pub http_threads: Option<std::num::NonZeroUsize>,
     /// `--kv-replay-timeout-secs`.
     pub kv_replay_timeout: Duration,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
@@ -277,6 +285,7 @@ impl Default for ServerConfig {
             max_active_reservations: None,
             max_prompt_tokens: 1_000_000,
             http_header_timeout: Duration::from_secs(30),
+            http_threads: None,
             kv_replay_timeout: Duration::from_secs(5),
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
@@ -483,6 +492,10 @@ impl ServerConfig {
             max_active_reservations: cli.max_active_reservations,
             max_prompt_tokens: cli.max_prompt_tokens,
             http_header_timeout: cli.http_header_timeout_secs,
+            http_threads: cli
+                .http_threads
+                .and_then(|n| usize::try_from(n).ok())
+                .and_then(std::num::NonZeroUsize::new),
             kv_replay_timeout: cli.kv_replay_timeout_secs,
             router,
             policy_names,
@@ -857,6 +870,14 @@ mod tests {
         let e = parse(args, env).unwrap_err();
         assert_eq!(e.exit_code(), 2, "{e}");
         e.to_string()
+    }
+
+    #[test]
+    fn http_threads_default_to_the_cores_and_refuse_zero() {
+        assert_eq!(parse(&[], &[]).unwrap().http_threads, None);
+        let cfg = parse(&["--http-threads", "3"], &[]).unwrap();
+        assert_eq!(cfg.http_threads.map(std::num::NonZeroUsize::get), Some(3));
+        assert!(err(&["--http-threads", "0"], &[]).contains("--http-threads"));
     }
 
     #[test]

@@ -44,6 +44,7 @@ pub mod auth;
 pub mod backend;
 mod body;
 pub mod config;
+mod connections;
 mod discovery;
 pub mod dto;
 pub mod policy_file;
@@ -56,11 +57,13 @@ mod tokens;
 pub use auth::{Access, AccessTokens, PeerToken, TokenFileError};
 pub use backend::{ApiError, ApiResult, Backend, ErrorBody, QueueLimitKind};
 pub use body::BodyLimits;
+pub use connections::HttpThreads;
 pub use discovery::WorkersFileWatcher;
 pub use recovery::recover_from_peers;
 pub use routes::{EdgeOptions, HttpResponse, POLICY_CLASS_HEADER, Routes, error_response, router};
 pub use server::{
     OpenFileLimit, WorkersFileError, raise_open_file_limit, read_workers_file, serve,
+    serve_on_threads,
 };
 pub use service_backend::{ServiceBackend, build_service};
 pub use tokens::split_token_ids;

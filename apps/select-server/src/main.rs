@@ -8,7 +8,8 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use select_server::config::{LogFormat, ServerConfig};
 use select_server::{
-    BodyLimits, EdgeOptions, WorkersFileWatcher, build_service, recover_from_peers, router, serve,
+    BodyLimits, EdgeOptions, HttpThreads, WorkersFileWatcher, build_service, recover_from_peers,
+    router, serve_on_threads,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -99,7 +100,15 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
             },
         },
     );
-    serve(listener, routes, cfg.http_header_timeout, shutdown_signal()).await?;
+    let threads = cfg.http_threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN)
+    });
+    let http = HttpThreads::start(threads, routes, cfg.http_header_timeout)
+        .context("failed to start the HTTP threads")?;
+    serve_on_threads(listener, &http, shutdown_signal()).await?;
+    // Joining the threads closes the connections they hold; blocking is fine here, nothing
+    // else is left to run.
+    tokio::task::block_in_place(|| drop(http));
     let _ = stop_watch.send(());
     backend.service().shutdown().await;
     tracing::info!("shut down");

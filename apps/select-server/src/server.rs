@@ -4,11 +4,10 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
 use crate::backend::Backend;
+use crate::connections::{HttpThreads, serve_connection};
 use crate::dto::WorkerRequest;
 use crate::routes::Routes;
 
@@ -46,8 +45,8 @@ impl AcceptFailures {
     }
 }
 
-/// Accepts HTTP/1.1 connections on `listener` until `shutdown` resolves. Connections already
-/// accepted finish on their own tasks.
+/// Accepts HTTP/1.1 connections on `listener` until `shutdown` resolves, and serves them on
+/// tasks of the current runtime. Connections already accepted finish on their own tasks.
 ///
 /// A connection that has not sent a whole request head within `header_timeout` (idle
 /// keep-alive time included) is closed: without a timer hyper waits for ever, so idle and
@@ -58,6 +57,37 @@ pub async fn serve<B: Backend>(
     routes: Routes<B>,
     header_timeout: Duration,
     shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    accept_until(listener, shutdown, |stream, peer| {
+        tokio::spawn(serve_connection(
+            stream,
+            peer,
+            routes.clone(),
+            header_timeout,
+            (),
+        ));
+    })
+    .await
+}
+
+/// As [`serve`], but every accepted connection is handed to one of `threads`, which serve
+/// it from then on (connections.rs says why).
+pub async fn serve_on_threads(
+    listener: TcpListener,
+    threads: &HttpThreads,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    accept_until(listener, shutdown, |stream, peer| {
+        threads.hand_over(stream, peer);
+    })
+    .await
+}
+
+/// The accept loop: `serve` each connection until `shutdown` resolves.
+async fn accept_until(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    mut serve: impl FnMut(tokio::net::TcpStream, std::net::SocketAddr),
 ) -> std::io::Result<()> {
     tokio::pin!(shutdown);
     let mut failures = AcceptFailures::default();
@@ -84,21 +114,7 @@ pub async fn serve<B: Backend>(
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(%peer, error = %e, "cannot disable Nagle's algorithm");
         }
-        let routes = routes.clone();
-        let service = hyper::service::service_fn(move |req| {
-            let mut routes = routes.clone();
-            tower::Service::call(&mut routes, req)
-        });
-        tokio::spawn(async move {
-            if let Err(e) = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
+        serve(stream, peer);
     }
 }
 

@@ -206,3 +206,75 @@ fn workers_file_may_be_a_yaml_list_by_extension() {
     assert!(err.contains("not a YAML list"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Connections handed to the serving threads keep their keep-alive, their head timeout and
+/// their answers; stopping the threads closes the connections they still hold.
+#[tokio::test]
+async fn serves_connections_on_its_own_threads() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let routes = router(Arc::new(Fake::default()), EdgeOptions::default());
+    let threads = select_server::HttpThreads::start(
+        std::num::NonZeroUsize::new(2).expect("2 > 0"),
+        routes,
+        Duration::from_millis(300),
+    )
+    .expect("start the threads");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        select_server::serve_on_threads(listener, &threads, async {
+            let _ = stopped.await;
+        })
+        .await
+        .expect("serve");
+        threads
+    });
+
+    // Five connections (more than threads), two requests each on the same connection.
+    let mut conns = Vec::new();
+    for _ in 0..5 {
+        conns.push(TcpStream::connect(addr).await.expect("connect"));
+    }
+    for round in 0..2 {
+        for c in &mut conns {
+            c.write_all(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+                .await
+                .expect("write");
+            let mut buf = vec![0u8; 512];
+            let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+                .await
+                .expect("answered within 10 s")
+                .expect("read");
+            let text = String::from_utf8_lossy(&buf[..n]);
+            assert!(text.starts_with("HTTP/1.1 200 OK"), "round {round}: {text}");
+            assert!(
+                text.ends_with(r#"{"status":"ok"}"#),
+                "round {round}: {text}"
+            );
+        }
+    }
+    // A silent connection is closed after the head timeout, on its thread too.
+    let mut silent = TcpStream::connect(addr).await.expect("connect");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut out))
+        .await
+        .expect("closed by the server within 10 s")
+        .expect("read");
+    assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+
+    let _ = stop.send(());
+    let threads = tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .expect("the accept loop stops")
+        .expect("join");
+    tokio::task::spawn_blocking(move || drop(threads))
+        .await
+        .expect("the threads stop");
+    for c in &mut conns {
+        let mut rest = Vec::new();
+        let got = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest))
+            .await
+            .expect("closed within 10 s");
+        assert!(got.is_ok_and(|n| n == 0) || rest.is_empty(), "{rest:?}");
+    }
+}
