@@ -90,8 +90,6 @@ pub enum PromptError {
         block_hashes: usize,
         sequence_hashes: usize,
     },
-    #[error("effective_prefill_tokens ({effective}) must not exceed isl_tokens ({isl})")]
-    EffectivePrefillExceedsIsl { effective: u64, isl: u64 },
 }
 
 impl From<PromptError> for crate::ApiError {
@@ -181,16 +179,6 @@ pub fn check_hash_trio(
     Ok(())
 }
 
-/// `effective_prefill_tokens ≤ normalised ISL` (§3.3).
-pub fn check_effective_prefill(effective: Option<u64>, isl: u64) -> Result<(), PromptError> {
-    match effective {
-        Some(effective) if effective > isl => {
-            Err(PromptError::EffectivePrefillExceedsIsl { effective, isl })
-        }
-        _ => Ok(()),
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Shared selection fields (§3.4)
 // ---------------------------------------------------------------------------------------------
@@ -203,8 +191,8 @@ pub struct RouterConfigOverride {
     pub overlap_score_credit: Option<f64>,
     #[serde(default, deserialize_with = "de_opt_non_negative")]
     pub prefill_load_scale: Option<f64>,
-    /// Deprecated alias: sets `prefill_load_scale`, and `overlap_score_credit = 0` when 0.
-    /// Use [`RouterConfigOverride::resolved`] to apply it.
+    /// Deprecated alias: sets `prefill_load_scale`, and `overlap_score_credit = 0` when 0
+    /// (folded in by `selection_policy::RouterConfigOverride::validate`).
     #[serde(default, deserialize_with = "de_opt_non_negative")]
     pub overlap_score_weight: Option<f64>,
     #[serde(default, deserialize_with = "de_opt_non_negative")]
@@ -215,21 +203,6 @@ pub struct RouterConfigOverride {
     pub track_prefill_tokens: Option<bool>,
     #[serde(default, deserialize_with = "de_opt_unit_interval")]
     pub shared_cache_multiplier: Option<f64>,
-}
-
-impl RouterConfigOverride {
-    /// Applies the deprecated `overlap_score_weight` alias (after the explicit fields, as the
-    /// environment variable does) and clears it.
-    #[must_use]
-    pub fn resolved(mut self) -> Self {
-        if let Some(w) = self.overlap_score_weight.take() {
-            self.prefill_load_scale = Some(w);
-            if w == 0.0 {
-                self.overlap_score_credit = Some(0.0);
-            }
-        }
-        self
-    }
 }
 
 /// `session_context`.
@@ -575,59 +548,6 @@ impl WorkerRecord {
     }
 }
 
-impl WorkerRequest {
-    /// Applies a PATCH (§4.4): non-null fields replace, maps/sets replace wholesale.
-    pub fn apply_patch(&mut self, patch: WorkerPatch) {
-        fn set<T>(slot: &mut Option<T>, v: Option<T>) {
-            if v.is_some() {
-                *slot = v;
-            }
-        }
-        set(&mut self.endpoint, patch.endpoint);
-        set(&mut self.kv_events_endpoint, patch.kv_events_endpoint);
-        if let Some(m) = patch.kv_events_endpoints {
-            self.kv_events_endpoints = m;
-        }
-        set(&mut self.replay_endpoint, patch.replay_endpoint);
-        set(&mut self.block_size, patch.block_size);
-        set(
-            &mut self.data_parallel_start_rank,
-            patch.data_parallel_start_rank,
-        );
-        set(&mut self.data_parallel_size, patch.data_parallel_size);
-        set(
-            &mut self.max_num_batched_tokens,
-            patch.max_num_batched_tokens,
-        );
-        set(&mut self.total_kv_blocks, patch.total_kv_blocks);
-        set(&mut self.stable_routing_id, patch.stable_routing_id);
-        set(&mut self.is_eagle, patch.is_eagle);
-        if let Some(t) = patch.taints {
-            self.taints = t;
-        }
-        if let Some(t) = patch.topology_domains {
-            self.topology_domains = t;
-        }
-        set(&mut self.kv_transfer_domain, patch.kv_transfer_domain);
-        set(
-            &mut self.kv_transfer_enforcement,
-            patch.kv_transfer_enforcement,
-        );
-        set(
-            &mut self.kv_transfer_preferred_weight,
-            patch.kv_transfer_preferred_weight,
-        );
-        set(
-            &mut self.router_hint_worker_type,
-            patch.router_hint_worker_type,
-        );
-        if let Some(m) = patch.router_hint_source_control_endpoints {
-            self.router_hint_source_control_endpoints = m;
-        }
-        set(&mut self.kv_event_source_mode, patch.kv_event_source_mode);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Selection responses (§5)
 // ---------------------------------------------------------------------------------------------
@@ -660,25 +580,6 @@ pub struct KvHint {
     pub protocol_version: String,
     pub message_id: String,
     pub actions: Vec<KvHintAction>,
-}
-
-impl KvHint {
-    /// The single `kv.fetch` action hint the service emits.
-    pub fn kv_fetch(selection_id: &str, source_control_endpoint: String, blocks: Vec<u64>) -> Self {
-        Self {
-            protocol_version: "0.1".to_owned(),
-            message_id: selection_id.to_owned(),
-            actions: vec![KvHintAction {
-                action_id: "a1".to_owned(),
-                action_type: "kv.fetch".to_owned(),
-                action_version: "1.0".to_owned(),
-                payload: KvFetchPayload {
-                    source_control_endpoint,
-                    block_hashes: blocks,
-                },
-            }],
-        }
-    }
 }
 
 /// One action of a [`KvHint`].
@@ -1230,14 +1131,6 @@ mod tests {
             .to_string(),
             "block_hashes length 2 must match sequence_hashes length 1"
         );
-        assert_eq!(
-            check_effective_prefill(Some(1000), 64)
-                .unwrap_err()
-                .to_string(),
-            "effective_prefill_tokens (1000) must not exceed isl_tokens (64)"
-        );
-        assert!(check_effective_prefill(Some(64), 64).is_ok());
-        assert!(check_effective_prefill(None, 0).is_ok());
     }
 
     #[test]
@@ -1284,9 +1177,7 @@ mod tests {
     fn override_alias_and_ranges() {
         let o: RouterConfigOverride =
             serde_json::from_str(r#"{"overlap_score_weight":0,"unknown":1}"#).unwrap();
-        let o = o.resolved();
-        assert_eq!(o.prefill_load_scale, Some(0.0));
-        assert_eq!(o.overlap_score_credit, Some(0.0));
+        assert_eq!(o.overlap_score_weight, Some(0.0));
         assert!(
             serde_json::from_str::<RouterConfigOverride>(r#"{"router_temperature":-1}"#).is_err()
         );
@@ -1294,23 +1185,5 @@ mod tests {
             serde_json::from_str::<RouterConfigOverride>(r#"{"shared_cache_multiplier":1.5}"#)
                 .is_err()
         );
-    }
-
-    #[test]
-    fn patch_replaces_only_present_fields() {
-        let mut req: WorkerRequest = serde_json::from_str(
-            r#"{"worker_id":2,"endpoint":"http://a","block_size":16,"taints":["x"]}"#,
-        )
-        .unwrap();
-        let patch: WorkerPatch = serde_json::from_str(
-            r#"{"worker_id":99,"endpoint":null,"kv_events_endpoint":"tcp://h:1","taints":[]}"#,
-        )
-        .unwrap();
-        req.apply_patch(patch);
-        assert_eq!(req.worker_id, 2);
-        assert_eq!(req.endpoint.as_deref(), Some("http://a"));
-        assert_eq!(req.kv_events_endpoint.as_deref(), Some("tcp://h:1"));
-        assert!(req.taints.is_empty());
-        assert_eq!(req.block_size, Some(16));
     }
 }

@@ -3,7 +3,8 @@
 
 use http::{Method, StatusCode};
 use select_server::dto::{
-    KvHint, Lifecycle, PromptForm, SelectionResponse, WorkerRecord, WorkerRequest,
+    KvFetchPayload, KvHint, KvHintAction, Lifecycle, PromptForm, SelectionResponse, WorkerRecord,
+    WorkerRequest,
 };
 
 use crate::fake::{
@@ -117,11 +118,19 @@ fn selection_response_optional_fields() {
     resp.selection_id = Some("s".to_owned());
     resp.sequence_hashes = Some(vec![u64::MAX, 1 << 63, 5]);
     resp.decode_busy = Some(false);
-    resp.kv_hint = Some(KvHint::kv_fetch(
-        "s",
-        "tcp://10.0.0.8:5600".to_owned(),
-        vec![u64::MAX, 1928374650],
-    ));
+    resp.kv_hint = Some(KvHint {
+        protocol_version: "0.1".to_owned(),
+        message_id: "s".to_owned(),
+        actions: vec![KvHintAction {
+            action_id: "a1".to_owned(),
+            action_type: "kv.fetch".to_owned(),
+            action_version: "1.0".to_owned(),
+            payload: KvFetchPayload {
+                source_control_endpoint: "tcp://10.0.0.8:5600".to_owned(),
+                block_hashes: vec![u64::MAX, 1928374650],
+            },
+        }],
+    });
     let v = serde_json::to_value(&resp).unwrap();
     assert_eq!(
         v["sequence_hashes"],
