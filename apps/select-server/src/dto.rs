@@ -273,21 +273,6 @@ pub struct SelectionOptions {
     pub policy_class: Option<String>,
 }
 
-impl SelectionOptions {
-    /// The affinity key: `session_context.session_id` when present, else `session_id`.
-    pub fn session_key(&self) -> Option<&str> {
-        match &self.session_context {
-            Some(ctx) => Some(&ctx.session_id),
-            None => self.session_id.as_deref(),
-        }
-    }
-
-    /// Whether the session steers/binds (no pin and no explicit affinity target, §3.4).
-    pub fn session_used_for_affinity(&self) -> bool {
-        self.affinity_target.is_none() && self.pinned_worker.is_none()
-    }
-}
-
 /// `POST /select` body.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SelectRequest {

@@ -279,8 +279,12 @@ async fn request_dtos_reach_the_backend_as_typed_values() {
     assert_eq!(o.expected_output_tokens, Some(256));
     assert_eq!(o.priority_jump, -5.0);
     assert_eq!(o.strict_priority, 0);
-    assert_eq!(o.session_key(), Some("chat-1"));
-    assert!(o.session_used_for_affinity());
+    assert_eq!(o.session_id.as_deref(), Some("legacy"));
+    assert_eq!(
+        o.session_context.as_ref().map(|c| c.session_id.as_str()),
+        Some("chat-1")
+    );
+    assert!(o.affinity_target.is_none() && o.pinned_worker.is_none());
     assert_eq!(o.allowed_worker_ids.as_ref().map(|s| s.len()), Some(2));
     assert!(o.routing_constraints.required_taints.contains("gpu"));
     assert_eq!(
