@@ -35,10 +35,12 @@ fn allowed_edges() -> BTreeMap<&'static str, &'static [&'static str]> {
                 "replica-sync",
             ][..],
         ),
+        ("ext-proc", &["service-builder"][..]),
         (
             "select-server",
             &[
                 "service-builder",
+                "ext-proc",
                 "kv-types",
                 "selection-policy",
                 "replica-sync",

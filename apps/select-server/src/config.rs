@@ -205,6 +205,50 @@ struct Cli {
     /// accepted).
     #[arg(long, default_value = "5", value_parser = parse_positive_secs, value_name = "SECS")]
     kv_replay_timeout_secs: Duration,
+
+    /// Serve the Gateway API Inference Extension endpoint-picker protocol (Envoy ext_proc v3
+    /// over gRPC, with grpc.health.v1) on this port, beside the HTTP API. 0 binds a free port.
+    #[arg(long, value_name = "PORT")]
+    ext_proc_port: Option<u16>,
+
+    /// PEM certificate chain for the ext_proc port (TLS; requires --ext-proc-tls-key).
+    #[arg(long, requires_all = ["ext_proc_port", "ext_proc_tls_key"], value_name = "PATH")]
+    ext_proc_tls_cert: Option<PathBuf>,
+
+    /// PEM private key for the ext_proc port (requires --ext-proc-tls-cert).
+    #[arg(long, requires = "ext_proc_tls_cert", value_name = "PATH")]
+    ext_proc_tls_key: Option<PathBuf>,
+
+    /// Request header naming the routing group of an endpoint-picker request (absent:
+    /// `default`).
+    #[arg(long, default_value = "x-kv-select-routing-group", value_name = "NAME")]
+    ext_proc_routing_group_header: String,
+
+    /// MODEL=DIR: the local tokenizer of MODEL for the endpoint picker (DIR holds
+    /// tokenizer.json and tokenizer_config.json with the chat template). Repeatable. A
+    /// model without one is routed by load only.
+    #[arg(long = "tokenizer", value_parser = parse_tokenizer_arg, value_name = "MODEL=DIR")]
+    tokenizers: Vec<(String, PathBuf)>,
+}
+
+fn parse_tokenizer_arg(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((model, dir)) if !model.is_empty() && !dir.is_empty() => {
+            Ok((model.to_owned(), PathBuf::from(dir)))
+        }
+        _ => Err(format!("expected MODEL=DIR, got {s:?}")),
+    }
+}
+
+/// `--ext-proc-*` and `--tokenizer`: the endpoint picker's settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExtProcSettings {
+    pub port: u16,
+    /// `(cert, key)` PEM files: TLS on.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    pub routing_group_header: String,
+    /// `(model, dir)` in flag order.
+    pub tokenizers: Vec<(String, PathBuf)>,
 }
 
 /// Everything the process was configured with. Plain data; `Default` equals the spec defaults.
@@ -257,6 +301,8 @@ pub struct ServerConfig {
     pub overlap_refresh_after: Option<Duration>,
     /// `DYN_ROUTER_MIN_INITIAL_WORKERS`.
     pub min_initial_workers: u64,
+    /// The endpoint picker; `None` without `--ext-proc-port`.
+    pub ext_proc: Option<ExtProcSettings>,
     /// Non-fatal notes produced while parsing (deprecated names, fallbacks), to be logged.
     pub warnings: Vec<String>,
 }
@@ -294,6 +340,7 @@ impl Default for ServerConfig {
             active_request_expiry: DEFAULT_ACTIVE_REQUEST_EXPIRY,
             overlap_refresh_after: Some(DEFAULT_OVERLAP_REFRESH_AFTER),
             min_initial_workers: 0,
+            ext_proc: None,
             warnings: Vec::new(),
         }
     }
@@ -470,7 +517,17 @@ impl ServerConfig {
                     .map_err(|_| "expected a non-negative integer".to_owned())
             })?
             .unwrap_or(0);
+        let ext_proc = cli.ext_proc_port.map(|port| ExtProcSettings {
+            port,
+            tls: cli
+                .ext_proc_tls_cert
+                .clone()
+                .zip(cli.ext_proc_tls_key.clone()),
+            routing_group_header: cli.ext_proc_routing_group_header.clone(),
+            tokenizers: cli.tokenizers.clone(),
+        });
         Ok(Self {
+            ext_proc,
             host: cli.host,
             port: cli.port,
             threads: cli.threads,

@@ -57,7 +57,38 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
         tracing::info!(full, read_only, "bearer-token authentication enabled");
     }
 
-    let backend = Arc::new(build_service(&cfg)?);
+    let mut backend = build_service(&cfg)?;
+    let picker = match &cfg.ext_proc {
+        Some(settings) => {
+            let metrics = ext_proc::ExtProcMetrics::default();
+            backend.register_metrics(|r| metrics.register(r));
+            let tokenizers = ext_proc::Tokenizers::load(
+                settings
+                    .tokenizers
+                    .iter()
+                    .map(|(m, d)| (m.as_str(), d.as_path())),
+            )
+            .context("loading --tokenizer")?;
+            for model in tokenizers.models() {
+                tracing::info!(%model, "tokenizer loaded");
+            }
+            tracing::warn!(
+                "endpoint picker: models without a --tokenizer are routed by load only \
+                 (no cache credit) unless their requests carry token ids"
+            );
+            Some(Arc::new(ext_proc::Picker::new(
+                Arc::clone(backend.service()),
+                tokenizers,
+                metrics,
+                ext_proc::PickerConfig {
+                    routing_group_header: settings.routing_group_header.clone(),
+                    ..ext_proc::PickerConfig::default()
+                },
+            )))
+        }
+        None => None,
+    };
+    let backend = Arc::new(backend);
     // Before any worker (hence any KV listener) exists: recovered state first, live
     // events on top.
     recover_from_peers(
@@ -105,7 +136,45 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
     });
     let http = HttpThreads::start(threads, routes, cfg.http_header_timeout)
         .context("failed to start the HTTP threads")?;
-    serve_on_threads(listener, &http, shutdown_signal()).await?;
+    let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
+    let grpc = match (&cfg.ext_proc, picker) {
+        (Some(settings), Some(picker)) => {
+            let addr = SocketAddr::new(cfg.host, settings.port);
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding --ext-proc-port {addr}"))?;
+            let addr = listener.local_addr()?;
+            let tls = settings
+                .tls
+                .clone()
+                .map(|(cert, key)| ext_proc::TlsFiles { cert, key });
+            tracing::info!(%addr, tls = tls.is_some(), "kv-select ext_proc listening");
+            Some(tokio::spawn(ext_proc::serve(
+                listener,
+                picker,
+                tls,
+                async {
+                    let _ = grpc_stopped.await;
+                },
+            )))
+        }
+        _ => None,
+    };
+    let grpc_failed = async {
+        match grpc {
+            Some(task) => match task.await {
+                Ok(Ok(())) => std::future::pending::<anyhow::Error>().await,
+                Ok(Err(e)) => anyhow::Error::new(e),
+                Err(e) => anyhow::anyhow!("the ext_proc server task failed: {e}"),
+            },
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = serve_on_threads(listener, &http, shutdown_signal()) => r?,
+        e = grpc_failed => return Err(e),
+    }
+    let _ = stop_grpc.send(());
     // Joining the threads closes the connections they hold; blocking is fine here, nothing
     // else is left to run.
     tokio::task::block_in_place(|| drop(http));

@@ -39,6 +39,12 @@ impl ServiceBackend {
         Self { service, registry }
     }
 
+    /// Adds series of another component of the process (the endpoint picker's) to
+    /// `/metrics`, before the backend is shared.
+    pub fn register_metrics(&mut self, register: impl FnOnce(&mut Registry)) {
+        register(&mut self.registry);
+    }
+
     pub fn service(&self) -> &Arc<SelectionService> {
         &self.service
     }

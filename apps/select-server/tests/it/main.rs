@@ -4,6 +4,7 @@
 mod auth;
 mod binary;
 mod bounds;
+mod ext_proc;
 mod fake;
 mod faults;
 mod http;
