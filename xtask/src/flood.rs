@@ -193,7 +193,7 @@ impl Sampler {
 }
 
 /// A `kB` field of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:`).
-fn proc_status(pid: u32, field: &str) -> Option<u64> {
+pub(crate) fn proc_status(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
@@ -208,7 +208,7 @@ fn peak_rss(server: &ServerProcess) -> u64 {
     proc_status(server.pid(), "VmHWM:").unwrap_or(0)
 }
 
-async fn metrics(conn: &mut crate::bench_http::Sender) -> Result<String> {
+pub(crate) async fn metrics(conn: &mut crate::bench_http::Sender) -> Result<String> {
     let (status, body) = send(conn, Method::GET, "/metrics", Bytes::new()).await?;
     ensure!(status == StatusCode::OK, "GET /metrics: {status}");
     Ok(String::from_utf8_lossy(&body).into_owned())
@@ -216,7 +216,7 @@ async fn metrics(conn: &mut crate::bench_http::Sender) -> Result<String> {
 
 /// Sum of the samples whose series starts with `prefix` (a bare name matches only itself
 /// and its labelled series).
-fn gauge(text: &str, prefix: &str) -> u64 {
+pub(crate) fn gauge(text: &str, prefix: &str) -> u64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| {
@@ -233,7 +233,7 @@ fn gauge(text: &str, prefix: &str) -> u64 {
 
 /// Statuses of a flood, by code.
 #[derive(Debug, Default)]
-struct Tally {
+pub(crate) struct Tally {
     statuses: BTreeMap<u16, u64>,
     elapsed: Duration,
 }
@@ -305,7 +305,7 @@ async fn hammer(
 }
 
 /// Registers `n` workers (block size 16) on `conn`; `kv` gives each one's KV endpoint.
-async fn register(
+pub(crate) async fn register(
     addr: SocketAddr,
     connections: usize,
     n: u64,

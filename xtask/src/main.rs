@@ -6,6 +6,10 @@
 //! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
 //! - `bench http [--seconds N] [--connections a,b]`: load test of `POST /select` against the
 //!   release server on loopback (docs/hot-path.md).
+//! - `bench ingest [--workers N] [--batches N] [...]`: KV events streamed from N ZMQ
+//!   publishers (a separate process) into the release server: applied blocks/s, server CPU
+//!   per million blocks, `/select` latency during the stream, fleet figures; every batch is
+//!   checked as applied. `ci` runs a small configuration against the debug server.
 //! - `instructions [--only W/N] [--cache-sim]`: instructions per `select_and_reserve` +
 //!   `free` cycle counted by callgrind, over the service bench's matrix (needs valgrind;
 //!   docs/hot-path.md).
@@ -25,8 +29,10 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 mod bench_http;
+mod bench_ingest;
 mod bench_wrk;
 mod flood;
+mod ingest_workload;
 mod instructions;
 mod loom;
 mod python;
@@ -52,6 +58,9 @@ fn run() -> Result<()> {
         "ci" => ci(),
         "python" => python::ci(&root()),
         "bench" if rest.first().map(String::as_str) == Some("http") => bench_http::main(&rest[1..]),
+        "bench" if rest.first().map(String::as_str) == Some("ingest") => {
+            bench_ingest::main(&rest[1..])
+        }
         "bench" => {
             let mut a = vec!["bench", "-p", "benches"];
             a.extend(rest.iter().map(String::as_str));
@@ -63,7 +72,7 @@ fn run() -> Result<()> {
         "replay" => replay::main(&rest),
         "" | "help" | "-h" | "--help" => {
             eprintln!(
-                "usage: cargo xtask <ci | python | bench [criterion args] | bench http --help | instructions --help | flood --help | loom | replay --help>"
+                "usage: cargo xtask <ci | python | bench [criterion args] | bench http --help | bench ingest --help | instructions --help | flood --help | loom | replay --help>"
             );
             Ok(())
         }
@@ -100,7 +109,8 @@ fn ci() -> Result<()> {
         &["doc", "--workspace", "--no-deps", "--locked"],
         &[("RUSTDOCFLAGS", "-D warnings"), NOT_INCREMENTAL],
     )?;
-    // After the tests: `cargo test --workspace` built the debug select-server they run against.
+    // After the tests: `cargo test --workspace` built the debug select-server these run against.
+    bench_ingest::smoke(&root())?;
     python::ci(&root())?;
     eprintln!("xtask ci: all checks passed in {:.0?}", started.elapsed());
     Ok(())

@@ -1,0 +1,696 @@
+//! `cargo xtask bench ingest`: end-to-end KV-event ingestion against the release server
+//! (docs/hot-path.md, "KV-event ingestion").
+//!
+//! Starts the server on a free loopback port, starts the publisher in a separate process
+//! (this xtask re-invoked with `--publish`, so its CPU is not the server's; see
+//! `ingest_workload.rs` for the workload), registers one worker per publisher stream, waits
+//! until every listener has applied seq 0, then streams everything and polls `/metrics`
+//! until every listener has applied every batch. Meanwhile one HTTP connection sends
+//! `/select` at a fixed interval, its latencies taken only during the stream.
+//!
+//! It reports applied blocks/s (from the `go` to the poll that sees the last batch applied),
+//! server CPU seconds per million blocks (`/proc/<pid>/stat` over the same span), the
+//! `/select` percentiles, the fleet's registration time and the server's threads,
+//! descriptors and resident memory. It fails unless every listener applied every batch
+//! with nothing lost or dropped, the index holds exactly the expected blocks and
+//! memberships, and probes of sampled workers' chains through `/overlap_scores` find them
+//! whole.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use bytes::Bytes;
+use clap::Parser;
+use http::{Method, StatusCode};
+use serde_json::json;
+
+use crate::bench_http::{PerfRecorder, ServerProcess, call, connect, send};
+use crate::flood::{gauge, metrics, proc_status, register};
+use crate::ingest_workload::{
+    BLOCK_SIZE, PREFIX_BLOCKS, Parent, SHARED_PREFIXES, Workload, prefix_tokens,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cargo xtask bench ingest",
+    about = "Stream KV events from N publishers into the release select-server"
+)]
+struct Args {
+    /// Workers, one ZMQ publisher (one DP rank) each.
+    #[arg(long, default_value_t = 16)]
+    workers: u64,
+    /// Batches per worker (after the batch of shared prefixes).
+    #[arg(long, default_value_t = 977)]
+    batches: u64,
+    /// `BlockStored` events per batch.
+    #[arg(long, default_value_t = 32)]
+    events: u64,
+    /// Blocks per event.
+    #[arg(long, default_value_t = 8)]
+    blocks: u64,
+    /// Fraction of the events whose chain hangs below a prefix every worker holds.
+    #[arg(long, default_value_t = 1.0 / 3.0)]
+    shared: f64,
+    /// Microseconds between two `/select` requests during the stream.
+    #[arg(long, default_value_t = 1000)]
+    select_interval_us: u64,
+    /// Runs, each with a fresh server and publisher; the table ends with the medians.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Use this server binary instead of building target/release/select-server.
+    #[arg(long, value_name = "PATH")]
+    binary: Option<PathBuf>,
+    /// Record a `perf record -g` profile of the server during the last round's stream.
+    #[arg(long, value_name = "PATH")]
+    perf: Option<PathBuf>,
+    /// Seconds `--perf` records (from the start of the stream).
+    #[arg(long, default_value_t = 2)]
+    perf_seconds: u64,
+    /// Run from this (debug) build of the xtask instead of rerunning it as a release build.
+    #[arg(long)]
+    debug_client: bool,
+    /// Internal: be the publisher process.
+    #[arg(long, hide = true)]
+    publish: bool,
+}
+
+impl Args {
+    fn workload(&self) -> Workload {
+        Workload {
+            workers: self.workers,
+            batches: self.batches,
+            events: self.events,
+            blocks: self.blocks,
+            shared: self.shared,
+        }
+    }
+}
+
+/// Entry point of `cargo xtask bench ingest ARGS`.
+pub(crate) fn main(args: &[String]) -> Result<()> {
+    let args_as_given = args;
+    let Some(args) = crate::parse_task_args::<Args>("cargo xtask bench ingest", args)? else {
+        return Ok(());
+    };
+    let workload = args.workload();
+    if args.publish {
+        return crate::ingest_workload::publish(&workload);
+    }
+    workload.validate()?;
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    if cfg!(debug_assertions) && !args.debug_client {
+        // A debug publisher and poller take CPU from the server on two shared cores.
+        let mut rerun = vec!["run", "--release", "-p", "xtask", "--", "bench", "ingest"];
+        rerun.extend(args_as_given.iter().map(String::as_str));
+        return crate::cargo(&rerun, &[]);
+    }
+    let binary = match &args.binary {
+        Some(path) => path.clone(),
+        None => {
+            crate::cargo(&["build", "--release", "-p", "select-server"], &[])?;
+            crate::root().join("target/release/select-server")
+        }
+    };
+    let mut runs = Vec::with_capacity(args.rounds);
+    for round in 0..args.rounds {
+        let perf = args.perf.as_deref().filter(|_| round + 1 == args.rounds);
+        let run = run_once(
+            &workload,
+            &binary,
+            args.select_interval_us,
+            perf,
+            args.perf_seconds,
+        )?;
+        eprintln!("xtask bench ingest: round {}: {}", round + 1, run.summary());
+        runs.push(run);
+    }
+    print_table(&workload, &runs);
+    Ok(())
+}
+
+/// The small configuration `cargo xtask ci` runs against the debug server: correctness
+/// only (every batch applied, the index exact, the probes whole), no timing asserted.
+pub(crate) fn smoke(root: &Path) -> Result<()> {
+    let workload = Workload {
+        workers: 3,
+        batches: 12,
+        events: 8,
+        blocks: 4,
+        shared: 1.0 / 3.0,
+    };
+    let binary = root.join("target/debug/select-server");
+    ensure!(
+        binary.exists(),
+        "{} is missing (cargo test --workspace builds it)",
+        binary.display()
+    );
+    let started = Instant::now();
+    let run = run_once(&workload, &binary, 5_000, None, 0)?;
+    eprintln!(
+        "xtask: bench ingest smoke test passed in {:.1?} ({})",
+        started.elapsed(),
+        run.summary()
+    );
+    Ok(())
+}
+
+/// Figures of one round.
+#[derive(Debug, Clone)]
+struct Run {
+    blocks: u64,
+    /// From `go` to the poll that saw every batch applied.
+    applied_in: Duration,
+    /// The publisher's own time to send everything.
+    published_in: Duration,
+    server_cpu: Option<Duration>,
+    /// `/select` latencies during the stream, sorted.
+    selects: Vec<Duration>,
+    registration: Duration,
+    threads: u64,
+    descriptors: u64,
+    rss_kib: u64,
+    hwm_kib: u64,
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.blocks as f64 / self.applied_in.as_secs_f64()
+    }
+
+    fn cpu_per_million(&self) -> Option<f64> {
+        self.server_cpu
+            .map(|c| c.as_secs_f64() * 1e6 / self.blocks as f64)
+    }
+
+    fn percentile(&self, p: f64) -> Duration {
+        percentile(&self.selects, p)
+    }
+
+    fn summary(&self) -> String {
+        format!(
+            "{:.2} M blocks/s, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests)",
+            self.rate() / 1e6,
+            self.cpu_per_million()
+                .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.3}")),
+            us(self.percentile(50.0)),
+            us(self.percentile(99.0)),
+            self.selects.len()
+        )
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn run_once(
+    w: &Workload,
+    binary: &Path,
+    select_interval_us: u64,
+    perf: Option<&Path>,
+    perf_seconds: u64,
+) -> Result<Run> {
+    let mut publisher = Publisher::start(w)?;
+    // Each listener holds a few descriptors; the server raises its own soft limit.
+    let server = ServerProcess::start_with(binary, &[], &[])?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("failed to start the client runtime")?;
+    runtime.block_on(drive(
+        w,
+        &server,
+        &mut publisher,
+        select_interval_us,
+        perf,
+        perf_seconds,
+    ))
+}
+
+/// The publisher child process and its command pipe; killed when dropped.
+#[derive(Debug)]
+struct Publisher {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    endpoints: Vec<String>,
+}
+
+impl Publisher {
+    fn start(w: &Workload) -> Result<Self> {
+        let exe = std::env::current_exe().context("cannot locate the running xtask")?;
+        let mut child = Command::new(exe)
+            .args(["bench", "ingest", "--publish"])
+            .args(["--workers", &w.workers.to_string()])
+            .args(["--batches", &w.batches.to_string()])
+            .args(["--events", &w.events.to_string()])
+            .args(["--blocks", &w.blocks.to_string()])
+            .args(["--shared", &w.shared.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("failed to start the publisher process")?;
+        let stdin = child.stdin.take().context("publisher stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("publisher stdout")?);
+        let mut p = Self {
+            child,
+            stdin: Some(stdin),
+            stdout,
+            endpoints: Vec::new(),
+        };
+        let started = Instant::now();
+        loop {
+            let line = p.line()?;
+            if line == "ready" {
+                break;
+            }
+            p.endpoints.push(line);
+        }
+        ensure!(
+            p.endpoints.len() as u64 == w.workers,
+            "the publisher bound {} sockets, expected {}",
+            p.endpoints.len(),
+            w.workers
+        );
+        eprintln!(
+            "xtask bench ingest: publisher pid {} encoded the workload in {:.1?}",
+            p.child.id(),
+            started.elapsed()
+        );
+        Ok(p)
+    }
+
+    fn line(&mut self) -> Result<String> {
+        let mut line = String::new();
+        let n = self.stdout.read_line(&mut line)?;
+        if n == 0 {
+            let status = self.child.wait()?;
+            bail!("the publisher exited ({status})");
+        }
+        Ok(line.trim().to_owned())
+    }
+
+    fn command(&mut self, cmd: &str) -> Result<()> {
+        let stdin = self.stdin.as_mut().context("publisher stdin closed")?;
+        writeln!(stdin, "{cmd}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `(worker_id, value)` of every series of `name` (e.g. `kv_select_kv_batches_applied_total`).
+fn per_worker(text: &str, name: &str) -> Vec<(u64, u64)> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+        .filter_map(|rest| {
+            let id = rest
+                .split("worker_id=\"")
+                .nth(1)?
+                .split('"')
+                .next()?
+                .parse()
+                .ok()?;
+            let v = rest.rsplit_once(' ')?.1.parse::<f64>().ok()?;
+            Some((id, v as u64))
+        })
+        .collect()
+}
+
+/// Sum of the series of `name` whose labels contain every one of `labels`.
+fn labelled(text: &str, name: &str, labels: &[&str]) -> u64 {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+        .filter(|rest| labels.iter().all(|label| rest.contains(label)))
+        .filter_map(|rest| rest.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
+const APPLIED: &str = "kv_select_kv_batches_applied_total";
+
+async fn drive(
+    w: &Workload,
+    server: &ServerProcess,
+    publisher: &mut Publisher,
+    select_interval_us: u64,
+    perf: Option<&Path>,
+    perf_seconds: u64,
+) -> Result<Run> {
+    let endpoints = Arc::new(publisher.endpoints.clone());
+    let kv: Arc<dyn Fn(u64) -> String + Send + Sync> =
+        Arc::new(move |id| endpoints[id as usize].clone());
+    let registered = Instant::now();
+    register(server.addr, 4, w.workers, Some(kv)).await?;
+    let registration = registered.elapsed();
+    let mut conn = connect(server.addr).await?;
+    let (status, body) = call(&mut conn, Method::GET, "/ready", Bytes::new()).await?;
+    ensure!(status == StatusCode::OK, "GET /ready: {status} {body}");
+
+    // Seq 0 until every listener has applied it: ZMQ drops what a PUB sends before a
+    // subscription lands.
+    let waited = Instant::now();
+    let poll = if w.workers <= 64 { 50 } else { 250 };
+    loop {
+        publisher.command("probe")?;
+        ensure!(
+            publisher.line()? == "ok",
+            "the publisher did not acknowledge the probe"
+        );
+        tokio::time::sleep(Duration::from_millis(poll)).await;
+        let text = metrics(&mut conn).await?;
+        let ready = per_worker(&text, APPLIED)
+            .iter()
+            .filter(|(_, n)| *n >= 1)
+            .count();
+        if ready as u64 == w.workers {
+            break;
+        }
+        ensure!(
+            waited.elapsed() < Duration::from_secs(60),
+            "{ready} of {} subscriptions landed within 60 s",
+            w.workers
+        );
+    }
+
+    let selects = SelectLoop::start(server, Duration::from_micros(select_interval_us)).await?;
+    let cpu_before = server.cpu_time();
+    let recorder = perf
+        .map(|out| PerfRecorder::start(server.pid(), out, perf_seconds))
+        .transpose()?;
+    let go = Instant::now();
+    publisher.command("go")?;
+    let expected = w.workers * (w.batches_per_worker() + 1);
+    let deadline = Duration::from_secs(120);
+    let mut peak_threads = 0;
+    let mut last = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(poll)).await;
+        let text = metrics(&mut conn).await?;
+        peak_threads = peak_threads.max(proc_status(server.pid(), "Threads:").unwrap_or(0));
+        let applied = gauge(&text, APPLIED);
+        if applied >= expected {
+            break;
+        }
+        if go.elapsed() > deadline {
+            bail!(
+                "{applied} of {expected} batches applied after {:.0?} ({last} at the poll before); lost {}, dropped {}",
+                go.elapsed(),
+                gauge(&text, "kv_select_kv_batches_lost_total"),
+                gauge(&text, "kv_select_kv_dropped_batches_total"),
+            );
+        }
+        last = applied;
+    }
+    let applied_in = go.elapsed();
+    let server_cpu = cpu_before.and_then(|b| Some(server.cpu_time()? - b));
+    let selects = selects.finish().await?;
+    if let Some(r) = recorder {
+        r.finish()?;
+    }
+    let done = publisher.line()?;
+    let published_in = done
+        .strip_prefix("done ")
+        .and_then(|s| s.parse::<f64>().ok())
+        .map(Duration::from_secs_f64)
+        .with_context(|| format!("unexpected publisher answer {done:?}"))?;
+
+    verify(w, &mut conn).await?;
+    Ok(Run {
+        blocks: w.stream_blocks(),
+        applied_in,
+        published_in,
+        server_cpu,
+        selects,
+        registration,
+        threads: peak_threads,
+        descriptors: std::fs::read_dir(format!("/proc/{}/fd", server.pid()))
+            .map(|d| d.count() as u64)
+            .unwrap_or(0),
+        rss_kib: proc_status(server.pid(), "VmRSS:").unwrap_or(0),
+        hwm_kib: proc_status(server.pid(), "VmHWM:").unwrap_or(0),
+    })
+}
+
+/// Fails unless every batch of every worker is applied and the index is exactly the
+/// workload's.
+async fn verify(w: &Workload, conn: &mut crate::bench_http::Sender) -> Result<()> {
+    let text = metrics(conn).await?;
+    let per = per_worker(&text, APPLIED);
+    let short: Vec<String> = per
+        .iter()
+        .filter(|(_, n)| *n != w.batches_per_worker() + 1)
+        .map(|(id, n)| format!("worker {id}: {n}"))
+        .collect();
+    ensure!(
+        per.len() as u64 == w.workers && short.is_empty(),
+        "batches applied per worker differ from {} (seq 0 included) on {} of {} listeners: {}",
+        w.batches_per_worker() + 1,
+        short.len(),
+        per.len(),
+        short.join(", ")
+    );
+    for (name, what) in [
+        ("kv_select_kv_batches_lost_total", "lost"),
+        ("kv_select_kv_dropped_batches_total", "dropped"),
+    ] {
+        let n = gauge(&text, name);
+        ensure!(n == 0, "{n} batches {what}");
+    }
+    let stored = labelled(
+        &text,
+        "kv_select_index_events_total",
+        &["event_type=\"stored\"", "status=\"ok\""],
+    );
+    let rejected = labelled(
+        &text,
+        "kv_select_index_events_total",
+        &["status=\"parent_block_not_found\""],
+    );
+    ensure!(
+        stored == w.stored_events() && rejected == 0,
+        "{stored} stored events applied (expected {}), {rejected} rejected for a missing parent",
+        w.stored_events()
+    );
+    let nodes = gauge(&text, "kv_select_index_blocks");
+    let memberships = labelled(&text, "kv_select_index_memberships", &["tier=\"device\""]);
+    ensure!(
+        nodes == w.nodes() && memberships == w.memberships(),
+        "the index holds {nodes} blocks and {memberships} memberships, expected {} and {}",
+        w.nodes(),
+        w.memberships()
+    );
+    // Probes: the last root chain and the last chain below a prefix of up to 32 workers.
+    let step = w.workers.div_ceil(32).max(1);
+    let events = w.batches * w.events;
+    for worker in (0..w.workers).step_by(step as usize) {
+        for kind in [false, true] {
+            let Some(g) = (0..events)
+                .rev()
+                .find(|&g| (w.parent(g) != Parent::Root) == kind)
+            else {
+                continue;
+            };
+            let (mut tokens, own, others) = match w.parent(g) {
+                Parent::Root => (Vec::new(), w.blocks, 0),
+                Parent::Prefix(p) => (prefix_tokens(p), PREFIX_BLOCKS + w.blocks, PREFIX_BLOCKS),
+            };
+            tokens.extend(w.event_tokens(worker, g));
+            probe(conn, &tokens, worker, own, others).await?;
+        }
+    }
+    Ok(())
+}
+
+/// `/overlap_scores` of `tokens`: `worker` holds `own` blocks, every other worker `others`.
+async fn probe(
+    conn: &mut crate::bench_http::Sender,
+    tokens: &[u32],
+    worker: u64,
+    own: u64,
+    others: u64,
+) -> Result<()> {
+    let body = Bytes::from(json!({ "token_ids": tokens }).to_string());
+    let (status, answer) = call(conn, Method::POST, "/overlap_scores", body).await?;
+    ensure!(
+        status == StatusCode::OK,
+        "/overlap_scores: {status} {answer}"
+    );
+    let rows = answer["workers"]
+        .as_array()
+        .context("/overlap_scores without workers")?;
+    for row in rows {
+        let id = row["worker_id"].as_u64().unwrap_or(u64::MAX);
+        let blocks = row["device_blocks"].as_u64().unwrap_or(u64::MAX);
+        let want = if id == worker { own } else { others };
+        ensure!(
+            blocks == want,
+            "probe of worker {worker}'s chain: worker {id} holds {blocks} blocks, expected {want}"
+        );
+    }
+    Ok(())
+}
+
+/// `/select` at a fixed interval on one connection until stopped.
+#[derive(Debug)]
+struct SelectLoop {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<Vec<Duration>>>,
+}
+
+impl SelectLoop {
+    async fn start(server: &ServerProcess, interval: Duration) -> Result<Self> {
+        let mut conn = connect(server.addr).await?;
+        // A prompt below shared prefix 0, so each lookup walks the trie the stream writes.
+        let mut tokens = prefix_tokens(0);
+        tokens.extend((0..4 * BLOCK_SIZE as u32).map(|t| 127_000 - t));
+        let body = Bytes::from(json!({ "token_ids": tokens }).to_string());
+        let (status, answer) = send(&mut conn, Method::POST, "/select", body.clone()).await?;
+        ensure!(
+            status == StatusCode::OK,
+            "probe /select: {status} {}",
+            String::from_utf8_lossy(&answer)
+        );
+        let (stop, mut stopped) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(1 << 16);
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    _ = tick.tick() => {}
+                }
+                let t = Instant::now();
+                let (status, _) = send(&mut conn, Method::POST, "/select", body.clone()).await?;
+                latencies.push(t.elapsed());
+                ensure!(
+                    status == StatusCode::OK,
+                    "/select during the stream: {status}"
+                );
+            }
+            latencies.sort_unstable();
+            Ok(latencies)
+        });
+        Ok(Self { stop, task })
+    }
+
+    async fn finish(self) -> Result<Vec<Duration>> {
+        let _ = self.stop.send(());
+        self.task.await.context("select loop panicked")?
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+#[expect(
+    clippy::print_stdout,
+    reason = "the results table is the task's output"
+)]
+fn print_table(w: &Workload, runs: &[Run]) {
+    println!(
+        "workload: {} workers × {} batches × {} events × {} blocks = {} blocks, {:.0} % below {SHARED_PREFIXES} shared prefixes",
+        w.workers,
+        w.batches,
+        w.events,
+        w.blocks,
+        w.stream_blocks(),
+        w.shared * 100.0
+    );
+    println!(
+        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  selects  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
+    );
+    let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
+    for (i, r) in runs.iter().enumerate() {
+        println!(
+            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>7}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
+            i + 1,
+            r.rate() / 1e6,
+            cpu(r),
+            r.published_in.as_secs_f64(),
+            us(r.percentile(50.0)),
+            us(r.percentile(99.0)),
+            us(r.selects.last().copied().unwrap_or_default()),
+            r.selects.len(),
+            r.registration.as_secs_f64(),
+            r.threads,
+            r.descriptors,
+            r.rss_kib as f64 / 1024.0,
+            r.hwm_kib as f64 / 1024.0,
+        );
+    }
+    if runs.len() > 1 {
+        let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
+        println!(
+            "median {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}",
+            m(&|r| r.rate() / 1e6),
+            m(&cpu),
+            m(&|r| r.published_in.as_secs_f64()),
+            m(&|r| us(r.percentile(50.0))),
+            m(&|r| us(r.percentile(99.0))),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_are_read_per_worker_and_by_label() {
+        let text = "# HELP x\n\
+            kv_select_kv_batches_applied_total{worker_id=\"3\",dp_rank=\"0\"} 12\n\
+            kv_select_kv_batches_applied_total{dp_rank=\"0\",worker_id=\"10\"} 4\n\
+            kv_select_index_events_total{model_name=\"\",event_type=\"stored\",status=\"ok\"} 7\n\
+            kv_select_index_events_total{model_name=\"\",event_type=\"removed\",status=\"ok\"} 2\n";
+        assert_eq!(per_worker(text, APPLIED), vec![(3, 12), (10, 4)]);
+        let stored = ["event_type=\"stored\"", "status=\"ok\""];
+        assert_eq!(labelled(text, "kv_select_index_events_total", &stored), 7);
+        assert_eq!(
+            labelled(text, "kv_select_index_events_total", &["status=\"ok\""]),
+            9
+        );
+    }
+
+    #[test]
+    fn arguments_parse_to_the_issue_workload() {
+        let a = Args::try_parse_from(["x"]).unwrap();
+        let w = a.workload();
+        assert_eq!((w.workers, w.batches, w.events, w.blocks), (16, 977, 32, 8));
+        assert_eq!(w.stream_blocks(), 4_001_792);
+        let p = Args::try_parse_from(["x", "--workers", "2048", "--batches", "8", "--rounds", "3"])
+            .unwrap();
+        assert_eq!((p.workers, p.batches, p.rounds), (2048, 8, 3));
+        assert!(Args::try_parse_from(["x", "--workers", "x"]).is_err());
+    }
+
+    #[test]
+    fn percentiles_pick_the_nearest_rank() {
+        let d: Vec<Duration> = (0..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile(&d, 99.0), Duration::from_micros(99));
+        assert_eq!(percentile(&[], 50.0), Duration::ZERO);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+    }
+}

@@ -1,0 +1,346 @@
+//! The workload of `cargo xtask bench ingest` and the publisher process that streams it.
+//!
+//! Everything here is a pure function of [`Workload`], so the driver knows, without being
+//! told, every hash and token the publisher sends: it computes the expected index size and
+//! builds the prompts of its probes from the same functions.
+//!
+//! Per worker `w` (one ZMQ PUB each, one DP rank), batch seq 1 stores [`SHARED_PREFIXES`]
+//! chains of [`PREFIX_BLOCKS`] blocks whose tokens and engine hashes are the same on every
+//! worker (a system prompt every engine holds). Seqs `2..=batches+1` each carry `events`
+//! `BlockStored` events of `blocks` fresh blocks; a `shared` fraction of the events hangs its
+//! chain below one of the prefixes (`parent_block_hash` = the prefix's last hash), the others
+//! start at the root. Tokens come from a counter through splitmix64, so no two blocks share
+//! their tokens and every run streams the same bytes.
+
+use std::io::{BufRead, Write};
+
+use anyhow::{Context, Result, bail, ensure};
+
+/// Prefix chains shared by every worker.
+pub(crate) const SHARED_PREFIXES: u64 = 4;
+/// Blocks of each shared prefix.
+pub(crate) const PREFIX_BLOCKS: u64 = 8;
+/// Tokens per block (the block size every worker registers).
+pub(crate) const BLOCK_SIZE: u64 = 16;
+/// Token ids stay below a realistic vocabulary size, so they encode as msgpack does them
+/// from an engine (2- and 4-byte integers).
+const VOCABULARY: u64 = 128_000;
+
+/// The shape of one run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Workload {
+    pub(crate) workers: u64,
+    pub(crate) batches: u64,
+    pub(crate) events: u64,
+    pub(crate) blocks: u64,
+    /// Fraction of the events whose chain hangs below a shared prefix.
+    pub(crate) shared: f64,
+}
+
+/// Where one event's chain starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Parent {
+    Root,
+    /// Below the last block of shared prefix `p`.
+    Prefix(u64),
+}
+
+impl Workload {
+    pub(crate) fn validate(&self) -> Result<()> {
+        ensure!(self.workers > 0, "--workers must be at least 1");
+        ensure!(self.batches > 0, "--batches must be at least 1");
+        ensure!(self.events > 0, "--events must be at least 1");
+        ensure!(self.blocks > 0, "--blocks must be at least 1");
+        ensure!(
+            (0.0..=1.0).contains(&self.shared),
+            "--shared must be between 0 and 1"
+        );
+        ensure!(
+            self.workers < 1 << 20 && self.batches * self.events * self.blocks < 1 << 36,
+            "the workload is too large for the bench's hash layout"
+        );
+        Ok(())
+    }
+
+    /// Blocks the workload batches store (the prefix batch not included).
+    pub(crate) fn stream_blocks(&self) -> u64 {
+        self.workers * self.batches * self.events * self.blocks
+    }
+
+    /// Device memberships once everything is applied.
+    pub(crate) fn memberships(&self) -> u64 {
+        self.workers * (SHARED_PREFIXES * PREFIX_BLOCKS + self.batches * self.events * self.blocks)
+    }
+
+    /// Distinct device blocks (trie nodes) once everything is applied.
+    pub(crate) fn nodes(&self) -> u64 {
+        SHARED_PREFIXES * PREFIX_BLOCKS + self.stream_blocks()
+    }
+
+    /// Stored events the index accepts: the prefixes and every workload event.
+    pub(crate) fn stored_events(&self) -> u64 {
+        self.workers * (SHARED_PREFIXES + self.batches * self.events)
+    }
+
+    /// Batches each listener applies: the prefix batch and the workload (the probe of seq 0
+    /// not included).
+    pub(crate) fn batches_per_worker(&self) -> u64 {
+        self.batches + 1
+    }
+
+    /// The parent of workload event `g` (counted over the worker's batches): exactly a
+    /// `shared` fraction of every run of events hangs below a prefix, spread evenly.
+    pub(crate) fn parent(&self, g: u64) -> Parent {
+        let below = |n: u64| (n as f64 * self.shared).floor() as u64;
+        if below(g + 1) > below(g) {
+            Parent::Prefix(g % SHARED_PREFIXES)
+        } else {
+            Parent::Root
+        }
+    }
+
+    /// Engine hash of block `b` of workload event `g` of worker `w`.
+    pub(crate) fn block_hash(&self, w: u64, g: u64, b: u64) -> u64 {
+        ((w + 1) << 40) | (g * self.blocks + b)
+    }
+
+    /// Token `i` of block `b` of workload event `g` of worker `w`.
+    pub(crate) fn token(&self, w: u64, g: u64, b: u64, i: u64) -> u32 {
+        mix((((w + 1) << 40 | (g * self.blocks + b)) * BLOCK_SIZE) + i)
+    }
+
+    /// The tokens of workload event `g` of worker `w`, all its blocks.
+    pub(crate) fn event_tokens(&self, w: u64, g: u64) -> Vec<u32> {
+        (0..self.blocks)
+            .flat_map(|b| (0..BLOCK_SIZE).map(move |i| (b, i)))
+            .map(|(b, i)| self.token(w, g, b, i))
+            .collect()
+    }
+
+    /// The encoded batch of seq `seq` of worker `w` (seq 1: the prefixes).
+    pub(crate) fn batch(&self, w: u64, seq: u64) -> Result<Vec<u8>> {
+        let mut out =
+            Vec::with_capacity((self.events * self.blocks * BLOCK_SIZE * 3 + 256) as usize);
+        if seq == 1 {
+            begin_batch(&mut out, SHARED_PREFIXES)?;
+            for p in 0..SHARED_PREFIXES {
+                let hashes: Vec<u64> = (0..PREFIX_BLOCKS).map(|b| prefix_hash(p, b)).collect();
+                write_stored(&mut out, &hashes, None, &prefix_tokens(p))?;
+            }
+        } else {
+            let j = seq - 2;
+            begin_batch(&mut out, self.events)?;
+            let mut hashes = Vec::with_capacity(self.blocks as usize);
+            for e in 0..self.events {
+                let g = j * self.events + e;
+                hashes.clear();
+                hashes.extend((0..self.blocks).map(|b| self.block_hash(w, g, b)));
+                let parent = match self.parent(g) {
+                    Parent::Root => None,
+                    Parent::Prefix(p) => Some(prefix_hash(p, PREFIX_BLOCKS - 1)),
+                };
+                write_stored(&mut out, &hashes, parent, &self.event_tokens(w, g))?;
+            }
+        }
+        rmp::encode::write_nil(&mut out)?;
+        Ok(out)
+    }
+}
+
+/// Engine hash of block `b` of shared prefix `p` (the same on every worker).
+pub(crate) fn prefix_hash(p: u64, b: u64) -> u64 {
+    (1 << 63) | (p << 16) | b
+}
+
+/// The tokens of shared prefix `p`.
+pub(crate) fn prefix_tokens(p: u64) -> Vec<u32> {
+    (0..PREFIX_BLOCKS * BLOCK_SIZE)
+        .map(|i| mix((1 << 62) | (p << 20) | i))
+        .collect()
+}
+
+/// splitmix64 of `x`, reduced to a token id.
+fn mix(x: u64) -> u32 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((z ^ (z >> 31)) % VOCABULARY) as u32
+}
+
+/// `[ts, [` of a batch with `events` events.
+fn begin_batch(out: &mut Vec<u8>, events: u64) -> Result<()> {
+    rmp::encode::write_array_len(out, 3)?;
+    rmp::encode::write_f64(out, 0.0)?;
+    rmp::encode::write_array_len(out, u32::try_from(events).context("too many events")?)?;
+    Ok(())
+}
+
+/// `["BlockStored", hashes, parent, tokens, block_size]`, vLLM's positional form.
+fn write_stored(
+    out: &mut Vec<u8>,
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+) -> Result<()> {
+    use rmp::encode::{write_array_len, write_nil, write_str, write_uint};
+    let len = |n: usize| u32::try_from(n).context("array too long");
+    write_array_len(out, 5)?;
+    write_str(out, "BlockStored")?;
+    write_array_len(out, len(hashes.len())?)?;
+    for &h in hashes {
+        write_uint(out, h)?;
+    }
+    match parent {
+        Some(p) => {
+            write_uint(out, p)?;
+        }
+        None => write_nil(out)?,
+    }
+    write_array_len(out, len(tokens.len())?)?;
+    for &t in tokens {
+        write_uint(out, u64::from(t))?;
+    }
+    write_uint(out, BLOCK_SIZE)?;
+    Ok(())
+}
+
+/// `[0.0, [], nil]`: seq 0 of every stream, resent until every subscription has landed.
+fn empty_batch() -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    begin_batch(&mut out, 0)?;
+    rmp::encode::write_nil(&mut out)?;
+    Ok(out)
+}
+
+/// The publisher process (`bench ingest --publish`): binds one PUB per worker, encodes the
+/// whole workload, prints one endpoint per line then `ready`, and obeys stdin: `probe`
+/// sends seq 0 on every socket (answered `ok`), `go` streams every batch, round-robin over
+/// the workers, and answers `done <seconds>`. It exits when stdin closes: a PUB with linger
+/// 0 would drop whatever the server has not read yet.
+pub(crate) fn publish(w: &Workload) -> Result<()> {
+    w.validate()?;
+    let ctx = zmq::Context::new();
+    let mut sockets = Vec::with_capacity(w.workers as usize);
+    let mut stdout = std::io::stdout().lock();
+    for _ in 0..w.workers {
+        let s = ctx.socket(zmq::PUB)?;
+        s.set_linger(0)?;
+        // Unbounded: PUB drops at its high-water mark, and the bench must lose nothing.
+        s.set_sndhwm(0)?;
+        s.bind("tcp://127.0.0.1:*")?;
+        let endpoint = s
+            .get_last_endpoint()?
+            .map_err(|_| anyhow::anyhow!("non-UTF-8 endpoint"))?;
+        writeln!(stdout, "{endpoint}")?;
+        sockets.push(s);
+    }
+    // Encoded ahead, so the stream costs the publisher only its sends.
+    let mut batches: Vec<Vec<zmq::Message>> = Vec::with_capacity(w.batches as usize + 1);
+    for seq in 1..=w.batches + 1 {
+        batches.push(
+            (0..w.workers)
+                .map(|wk| w.batch(wk, seq).map(zmq::Message::from))
+                .collect::<Result<_>>()?,
+        );
+    }
+    writeln!(stdout, "ready")?;
+    stdout.flush()?;
+    let empty = empty_batch()?;
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        match line?.trim() {
+            "probe" => {
+                for s in &sockets {
+                    s.send_multipart([&b""[..], &0u64.to_be_bytes()[..], &empty[..]], 0)?;
+                }
+                writeln!(stdout, "ok")?;
+            }
+            "go" => {
+                let started = std::time::Instant::now();
+                for (j, row) in std::mem::take(&mut batches).into_iter().enumerate() {
+                    let seq = (j + 1) as u64;
+                    for (s, payload) in sockets.iter().zip(row) {
+                        s.send(&b""[..], zmq::SNDMORE)?;
+                        s.send(&seq.to_be_bytes()[..], zmq::SNDMORE)?;
+                        s.send(payload, 0)?;
+                    }
+                }
+                writeln!(stdout, "done {}", started.elapsed().as_secs_f64())?;
+            }
+            other => bail!("publisher: unknown command {other:?}"),
+        }
+        stdout.flush()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> Workload {
+        Workload {
+            workers: 2,
+            batches: 3,
+            events: 6,
+            blocks: 4,
+            shared: 1.0 / 3.0,
+        }
+    }
+
+    #[test]
+    fn a_third_of_the_events_hang_below_the_prefixes_in_turn() {
+        let w = small();
+        let parents: Vec<Parent> = (0..6).map(|g| w.parent(g)).collect();
+        let shared = parents.iter().filter(|p| **p != Parent::Root).count();
+        assert_eq!(shared, 2);
+        let none = Workload { shared: 0.0, ..w };
+        assert!((0..100).all(|g| none.parent(g) == Parent::Root));
+        let all = Workload { shared: 1.0, ..w };
+        assert_eq!(all.parent(5), Parent::Prefix(5 % SHARED_PREFIXES));
+    }
+
+    #[test]
+    fn batches_carry_the_events_hashes_parents_and_tokens() {
+        let w = small();
+        let prefixes: rmpv::Value =
+            rmpv::decode::read_value(&mut &w.batch(0, 1).unwrap()[..]).unwrap();
+        assert_eq!(
+            prefixes[1].as_array().unwrap().len(),
+            SHARED_PREFIXES as usize
+        );
+        let b: rmpv::Value = rmpv::decode::read_value(&mut &w.batch(1, 3).unwrap()[..]).unwrap();
+        let events = b[1].as_array().unwrap();
+        assert_eq!(events.len(), 6);
+        // Seq 3 is workload batch 1: events g = 6..12.
+        let e = &events[2];
+        assert_eq!(e[0].as_str(), Some("BlockStored"));
+        assert_eq!(e[1][0].as_u64(), Some(w.block_hash(1, 8, 0)));
+        let parent = match w.parent(8) {
+            Parent::Root => None,
+            Parent::Prefix(p) => Some(prefix_hash(p, PREFIX_BLOCKS - 1)),
+        };
+        assert_eq!(e[2].as_u64(), parent);
+        let tokens: Vec<u32> = e[3]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tokens, w.event_tokens(1, 8));
+        assert_eq!(tokens.len() as u64, w.blocks * BLOCK_SIZE);
+        assert!(b[2].is_nil());
+    }
+
+    #[test]
+    fn totals_count_prefixes_once_per_worker_and_blocks_once_per_node() {
+        let w = small();
+        assert_eq!(w.stream_blocks(), 2 * 3 * 6 * 4);
+        assert_eq!(w.nodes(), 32 + 144);
+        assert_eq!(w.memberships(), 2 * (32 + 72));
+        assert_eq!(w.stored_events(), 2 * (4 + 18));
+        assert!(Workload { workers: 0, ..w }.validate().is_err());
+        assert!(Workload { shared: 1.5, ..w }.validate().is_err());
+        assert_ne!(w.token(0, 0, 0, 0), w.token(1, 0, 0, 0));
+    }
+}
