@@ -320,11 +320,14 @@ fn two_replicas_share_bookings_over_the_mesh() {
         .0,
         409
     );
-    let (_, steered) = b.post(
-        "/select",
-        json!({"token_ids": [9, 9], "session_id": "chat"}),
-    );
-    assert_eq!(steered["worker_id"], booked["worker_id"]);
+    // The session binding travels on its own topic, so it may land after the booking.
+    wait_for("the session binding to reach B", || {
+        let (_, steered) = b.post(
+            "/select",
+            json!({"token_ids": [9, 9], "session_id": "chat"}),
+        );
+        steered["worker_id"] == booked["worker_id"]
+    });
     assert_eq!(a.call("DELETE", "/reservations/r1", None).0, 200);
     wait_for("the free to reach B", || active_requests(&b) == 0);
 
