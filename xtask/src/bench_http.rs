@@ -95,6 +95,14 @@ struct Args {
     /// Rounds per server and connection count with `--wrk` (the table gives medians).
     #[arg(long, default_value_t = 3, requires = "wrk")]
     rounds: usize,
+    /// With `--wrk`: run wrk on the last CPU this process may use and both servers on the
+    /// others (`taskset`), so the generator never preempts a server thread. select-server
+    /// and the ceiling server size their threads to the CPUs they are given.
+    #[arg(long, requires = "wrk")]
+    pin: bool,
+    /// An extra select-server flag (repeatable), e.g. `--server-arg=--http-threads=1`.
+    #[arg(long = "server-arg", value_name = "FLAG", allow_hyphen_values = true)]
+    server_args: Vec<String>,
     /// Internal: serve the ceiling server on this address until killed.
     #[arg(long, hide = true, value_name = "ADDR")]
     serve_ceiling: Option<SocketAddr>,
@@ -114,19 +122,21 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     if let Some(addr) = args.serve_ceiling {
         return serve_ceiling(addr);
     }
-    if args.wrk {
-        return with_wrk(&args);
-    }
     if cfg!(debug_assertions) && !args.debug_client {
         // `cargo xtask` builds the xtask with opt-level 1 dependencies; a load generator
         // built that way spends several times the CPU of a release one per request, and on
-        // two shared cores that CPU is taken from the server. Rerun as a release build.
+        // two shared cores that CPU is taken from the server. The ceiling server (`--wrk`)
+        // is this binary too, and must be as optimized as select-server. Rerun as a
+        // release build.
         let mut rerun = vec!["run", "--release", "-p", "xtask", "--", "bench", "http"];
         rerun.extend(args_as_given.iter().map(String::as_str));
         return crate::cargo(&rerun, &[]);
     }
+    if args.wrk {
+        return with_wrk(&args);
+    }
     let server = if args.ceiling {
-        ServerProcess::start_ceiling()?
+        ServerProcess::start_ceiling(None)?
     } else {
         let binary = match &args.binary {
             Some(path) => path.clone(),
@@ -135,7 +145,13 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
                 crate::root().join("target/release/select-server")
             }
         };
-        ServerProcess::start(&binary, args.sessions, args.queue_threshold)?
+        ServerProcess::start(
+            &binary,
+            args.sessions,
+            args.queue_threshold,
+            &args.server_args,
+            None,
+        )?
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -157,8 +173,20 @@ fn with_wrk(args: &Args) -> Result<()> {
             crate::root().join("target/release/select-server")
         }
     };
-    let ours = ServerProcess::start(&binary, false, args.queue_threshold)?;
-    let ceiling = ServerProcess::start_ceiling()?;
+    let pinning = if args.pin {
+        Some(crate::bench_wrk::Pinning::split()?)
+    } else {
+        None
+    };
+    let server_cpus = pinning.as_ref().map(|p| p.servers.as_str());
+    let ours = ServerProcess::start(
+        &binary,
+        false,
+        args.queue_threshold,
+        &args.server_args,
+        server_cpus,
+    )?;
+    let ceiling = ServerProcess::start_ceiling(server_cpus)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -175,15 +203,14 @@ fn with_wrk(args: &Args) -> Result<()> {
         );
         Ok::<_, anyhow::Error>(bodies)
     })?;
-    let rounds = crate::bench_wrk::run(
-        &ours,
-        &ceiling,
-        &bodies,
-        &args.connections,
-        args.seconds,
-        args.rounds,
-        args.perf.as_deref(),
-    )?;
+    let plan = crate::bench_wrk::Plan {
+        connections: &args.connections,
+        seconds: args.seconds,
+        rounds: args.rounds,
+        perf: args.perf.as_deref(),
+        generator_cpus: pinning.as_ref().map(|p| p.generator.as_str()),
+    };
+    let rounds = crate::bench_wrk::run(&ours, &ceiling, &bodies, &plan)?;
     print_table(&crate::bench_wrk::table(&rounds));
     Ok(())
 }
@@ -560,12 +587,15 @@ impl ServerProcess {
         binary: &std::path::Path,
         sessions: bool,
         queue_threshold: Option<f64>,
+        extra: &[String],
+        cpus: Option<&str>,
     ) -> Result<Self> {
-        let flags: &[&str] = if sessions {
-            &["--session-affinity-ttl-secs", "600"]
+        let mut flags: Vec<&str> = if sessions {
+            vec!["--session-affinity-ttl-secs", "600"]
         } else {
-            &[]
+            Vec::new()
         };
+        flags.extend(extra.iter().map(String::as_str));
         let threshold = queue_threshold.map(|t| t.to_string());
         let mut envs = vec![
             ("DYN_ROUTER_USE_KV_EVENTS", "false"),
@@ -575,7 +605,8 @@ impl ServerProcess {
         if let Some(t) = &threshold {
             envs.push(("DYN_ROUTER_QUEUE_THRESHOLD", t));
         }
-        Self::start_with(binary, flags, &envs)
+        let addr = free_loopback_addr()?;
+        Self::spawn(Self::command(binary, addr, &flags, &envs, cpus), addr)
     }
 
     /// Starts `binary` on a free loopback port with extra flags and environment.
@@ -585,20 +616,32 @@ impl ServerProcess {
         envs: &[(&str, &str)],
     ) -> Result<Self> {
         let addr = free_loopback_addr()?;
-        let mut command = Command::new(binary);
+        Self::spawn(Self::command(binary, addr, args, envs, None), addr)
+    }
+
+    /// select-server on `addr`, under `taskset -c CPUS` when given (taskset execs it, so the
+    /// child's pid is the server's).
+    fn command(
+        binary: &std::path::Path,
+        addr: SocketAddr,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        cpus: Option<&str>,
+    ) -> Command {
+        let mut command = pinned(binary.as_os_str(), cpus);
         command
             .args(["--host", "127.0.0.1", "--port", &addr.port().to_string()])
             .args(args)
             .envs(envs.iter().copied())
             .env("RUST_LOG", "warn");
-        Self::spawn(command, addr)
+        command
     }
 
     /// Starts this xtask's ceiling server (`--serve-ceiling`) on a free loopback port.
-    fn start_ceiling() -> Result<Self> {
+    fn start_ceiling(cpus: Option<&str>) -> Result<Self> {
         let addr = free_loopback_addr()?;
         let exe = std::env::current_exe().context("cannot locate the running xtask")?;
-        let mut command = Command::new(exe);
+        let mut command = pinned(exe.as_os_str(), cpus);
         command.args(["bench", "http", "--serve-ceiling", &addr.to_string()]);
         Self::spawn(command, addr)
     }
@@ -637,6 +680,18 @@ impl ServerProcess {
     }
 }
 
+/// `program` itself, or `taskset -c CPUS program` (util-linux, on every Debian).
+pub(crate) fn pinned(program: &std::ffi::OsStr, cpus: Option<&str>) -> Command {
+    match cpus {
+        Some(cpus) => {
+            let mut command = Command::new("taskset");
+            command.args(["-c", cpus]).arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
+}
+
 /// A loopback address whose port was free a moment ago.
 fn free_loopback_addr() -> Result<SocketAddr> {
     let port = StdListener::bind("127.0.0.1:0")
@@ -654,13 +709,14 @@ const CEILING_ANSWER: &str = concat!(
     r#""total_kv_blocks":1000000}}"#
 );
 
-/// The ceiling server: the runtime shape of select-server (multi-threaded tokio, 4 workers,
-/// hyper HTTP/1.1 per connection), reading every body whole and answering
-/// [`CEILING_ANSWER`]. Runs until the process is killed.
+/// The ceiling server: multi-threaded tokio with one worker per CPU it may use (as many as
+/// select-server's serving threads), hyper HTTP/1.1 per connection, reading every body whole
+/// and answering [`CEILING_ANSWER`]. Runs until the process is killed.
 fn serve_ceiling(addr: SocketAddr) -> Result<()> {
     use hyper::server::conn::http1;
+    let workers = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(4)
+        .worker_threads(workers)
         .enable_all()
         .build()
         .context("failed to start the ceiling server's runtime")?;
@@ -812,6 +868,13 @@ mod tests {
         assert!(Args::try_parse_from(["x", "--wrk", "--lifecycle"]).is_err());
         let p = Args::try_parse_from(["x", "--wrk", "--perf", "out.data"]).unwrap();
         assert!(p.wrk && p.perf.is_some());
+        assert!(
+            Args::try_parse_from(["x", "--pin"]).is_err(),
+            "--pin needs --wrk"
+        );
+        let a =
+            Args::try_parse_from(["x", "--wrk", "--pin", "--server-arg=--http-threads=1"]).unwrap();
+        assert!(a.pin && a.server_args == ["--http-threads=1"]);
         assert!(Args::try_parse_from(["x", "--rounds", "5"]).is_err());
         let serve = Args::try_parse_from(["x", "--serve-ceiling", "127.0.0.1:9"]).unwrap();
         assert_eq!(

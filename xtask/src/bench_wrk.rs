@@ -5,8 +5,10 @@
 //! hyper and the generator allow. Our own generator, a hyper client on one tokio thread,
 //! costs more CPU per request than the ceiling server and so capped both at the same rate.
 //!
-//! wrk runs one thread (`-t1`): on two cores the other one is the server's. Server CPU per
-//! request is read from `/proc/<pid>/stat` around each round.
+//! wrk runs one thread (`-t1`): on two cores the other one is the server's. Unpinned, the
+//! scheduler still moves them onto one core at times, and a server thread waiting behind wrk
+//! shows up in the tail latency; `--pin` gives wrk a CPU of its own. Server CPU per request is
+//! read from `/proc/<pid>/stat` around each round.
 
 use std::path::Path;
 use std::process::Command;
@@ -18,6 +20,51 @@ use crate::bench_http::{PerfRecorder, ServerProcess};
 
 /// The Lua script, kept next to this file.
 const SCRIPT: &str = include_str!("bench_http_select.lua");
+
+/// `--pin`: the CPUs this process may use, the last for wrk and the others for the servers.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Pinning {
+    /// A `taskset -c` list for both servers.
+    pub(crate) servers: String,
+    /// The one CPU wrk runs on.
+    pub(crate) generator: String,
+}
+
+impl Pinning {
+    /// Splits the CPUs in `/proc/self/status` (`Cpus_allowed_list`).
+    pub(crate) fn split() -> Result<Self> {
+        let status =
+            std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+        let list = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .context("/proc/self/status has no Cpus_allowed_list (--pin needs Linux)")?;
+        Self::from_list(list.trim())
+    }
+
+    /// `0-3,6` → servers `0,1,2,3`, generator `6`.
+    fn from_list(list: &str) -> Result<Self> {
+        let mut cpus = Vec::new();
+        for part in list.split(',').filter(|p| !p.is_empty()) {
+            let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+            let lo: u32 = lo
+                .parse()
+                .with_context(|| format!("bad CPU list {list:?}"))?;
+            let hi: u32 = hi
+                .parse()
+                .with_context(|| format!("bad CPU list {list:?}"))?;
+            cpus.extend(lo..=hi);
+        }
+        let Some((generator, servers)) = cpus.split_last().filter(|(_, s)| !s.is_empty()) else {
+            bail!("--pin needs at least two CPUs, this process may use {list:?}");
+        };
+        let servers: Vec<String> = servers.iter().map(u32::to_string).collect();
+        Ok(Self {
+            servers: servers.join(","),
+            generator: generator.to_string(),
+        })
+    }
+}
 
 /// One wrk round against one server.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,12 +129,13 @@ fn round(
     dir: &Path,
     connections: usize,
     seconds: u64,
+    cpus: Option<&str>,
 ) -> Result<Round> {
     let script = dir.join("select.lua");
     let bodies = dir.join("bodies.jsonl");
     let url = format!("http://{}", server.addr);
     let cpu_before = server.cpu_time();
-    let out = Command::new("wrk")
+    let out = crate::bench_http::pinned("wrk".as_ref(), cpus)
         .args(["-t1", "-c", &connections.to_string(), "-d"])
         .arg(format!("{seconds}s"))
         .args(["--timeout", "10s", "-s"])
@@ -126,16 +174,34 @@ fn round(
     })
 }
 
-/// Alternating rounds, `rounds` per target and connection count, after a 1 s warm-up each.
+/// What [`run`] measures and how.
+#[derive(Debug)]
+pub(crate) struct Plan<'a> {
+    pub(crate) connections: &'a [usize],
+    pub(crate) seconds: u64,
+    /// Rounds per target and connection count.
+    pub(crate) rounds: usize,
+    /// Where to write a profile of select-server's last round at the first count.
+    pub(crate) perf: Option<&'a Path>,
+    /// `taskset -c` CPUs for wrk (`--pin`).
+    pub(crate) generator_cpus: Option<&'a str>,
+}
+
+/// Alternating rounds, `plan.rounds` per target and connection count, after a 1 s warm-up
+/// each.
 pub(crate) fn run(
     ours: &ServerProcess,
     ceiling: &ServerProcess,
     bodies: &[bytes::Bytes],
-    connections: &[usize],
-    seconds: u64,
-    rounds: usize,
-    perf: Option<&Path>,
+    plan: &Plan<'_>,
 ) -> Result<Vec<Round>> {
+    let Plan {
+        connections,
+        seconds,
+        rounds,
+        perf,
+        generator_cpus,
+    } = *plan;
     let dir = crate::root().join("target/bench-http");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::write(dir.join("select.lua"), SCRIPT).context("writing the wrk script")?;
@@ -149,7 +215,7 @@ pub(crate) fn run(
     let mut out = Vec::new();
     for (i, &c) in connections.iter().enumerate() {
         for (name, server) in [("select-server", ours), ("ceiling", ceiling)] {
-            round(name, server, &dir, c, 1)?;
+            round(name, server, &dir, c, 1, generator_cpus)?;
         }
         for r in 0..rounds {
             for (name, server) in [("select-server", ours), ("ceiling", ceiling)] {
@@ -162,7 +228,7 @@ pub(crate) fn run(
                     Some(out) => Some(PerfRecorder::start(server.pid(), out, seconds)?),
                     None => None,
                 };
-                let got = round(name, server, &dir, c, seconds)?;
+                let got = round(name, server, &dir, c, seconds, generator_cpus)?;
                 if let Some(recorder) = recorder {
                     recorder.finish()?;
                 }
@@ -240,6 +306,16 @@ pub(crate) fn table(rounds: &[Round]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pinning_gives_the_last_cpu_to_the_generator() {
+        let p = Pinning::from_list("0-3,6").unwrap();
+        assert_eq!((p.servers.as_str(), p.generator.as_str()), ("0,1,2,3", "6"));
+        let p = Pinning::from_list("0-1").unwrap();
+        assert_eq!((p.servers.as_str(), p.generator.as_str()), ("0", "1"));
+        assert!(Pinning::from_list("5").is_err());
+        assert!(Pinning::from_list("a-b").is_err());
+    }
 
     #[test]
     fn the_summary_line_parses_and_its_absence_is_an_error() {

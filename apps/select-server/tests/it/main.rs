@@ -10,6 +10,7 @@ mod faults;
 mod http;
 mod mesh;
 mod routes;
+mod select_bytes;
 mod serve;
 mod shapes;
 mod transcript;
