@@ -706,6 +706,47 @@ mod tests {
         assert_eq!(batch.events.len(), 1);
     }
 
+    /// kv-events §4: the batch is a 3-element array, never a map. Each map form (named
+    /// members, positional integer keys, map16, empty) is an undecodable batch of the wrong
+    /// shape, so the listener drops it as `bad_batch_shape` and its watermark stays put.
+    #[test]
+    fn golden_12_8_map_batches_are_rejected() {
+        let cleared = "91 91 b0416c6c426c6f636b73436c6561726564";
+        let vectors = [
+            // {"ts": 1.0, "events": [["AllBlocksCleared"]], "data_parallel_rank": nil}
+            format!(
+                "83 a2 7473 cb3ff0000000000000 a6 6576656e7473 {cleared} \
+                 b2 646174615f706172616c6c656c5f72616e6b c0"
+            ),
+            // {0: 1.0, 1: [["AllBlocksCleared"]], 2: nil}
+            format!("83 00 cb3ff0000000000000 01 {cleared} 02 c0"),
+            // The same as a map16.
+            format!("de 0003 00 cb3ff0000000000000 01 {cleared} 02 c0"),
+            // {}
+            "80".to_owned(),
+        ];
+        for v in &vectors {
+            let err = decode_batch(&hex(v)).expect_err(v);
+            assert_eq!(
+                err,
+                DecodeError::WrongType {
+                    field: "batch",
+                    expected: "array",
+                },
+                "{v}"
+            );
+            assert_eq!(
+                crate::DropReason::from(&err),
+                crate::DropReason::BadBatchShape
+            );
+            // The normalizer fails the whole payload and emits no operation.
+            let mut ops = Vec::new();
+            let res = normalizer().process_payload(&hex(v), 42, &mut ops, |_| {});
+            assert!(res.is_err(), "{v}");
+            assert!(ops.is_empty(), "{v}");
+        }
+    }
+
     fn value_batch(events: Vec<rmpv::Value>) -> Vec<u8> {
         let v = rmpv::Value::Array(vec![
             rmpv::Value::F64(1.0),

@@ -585,6 +585,40 @@ fn malformed_messages_are_counted_and_never_stop_the_listener() {
     assert_eq!(listener.state(), ListenerState::Running);
 }
 
+/// kv-events §4: a msgpack map as the batch is an undecodable batch. The listener counts it
+/// as `bad_batch_shape`, applies nothing and keeps its watermark, so a good batch with the
+/// same seq is still applied and nothing is counted lost.
+#[test]
+fn a_map_batch_is_dropped_as_bad_shape_and_the_watermark_stays() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let (sink, rx) = Collector::new();
+    let listener =
+        KvEventListener::start(ListenerConfig::new(WorkerKey::new(4, 0), ep, 4), sink).unwrap();
+    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    let map_batch = encode(&Value::Map(vec![
+        (Value::from("ts"), Value::F64(1.0)),
+        (
+            Value::from("events"),
+            Value::Array(vec![stored(&[7], None)]),
+        ),
+        (Value::from("data_parallel_rank"), Value::Nil),
+    ]));
+    publish(&publisher, 1, &map_batch);
+    let stats = listener.stats();
+    wait_until(|| stats.dropped(DropReason::BadBatchShape) == 1);
+    assert_eq!(listener.watermark(), Some(0));
+    rx.assert_quiet_except_empty();
+    publish(&publisher, 1, &batch(vec![stored(&[7], None)]));
+    let ops = rx.next();
+    assert_eq!(ops[0].event_id, 1);
+    // The watermark moves once the sink has returned.
+    wait_until(|| listener.watermark() == Some(1));
+    assert_eq!(get(&stats.batches_lost), 0);
+    assert_eq!(stats.dropped(DropReason::BadBatchShape), 1);
+    listener.stop();
+}
+
 /// Batches that arrived but failed to decode are dropped (and counted so), not lost: the
 /// watermark stays below them (§3), so each later batch reports a gap over them again, and
 /// `kv_batches_lost` counted them once per report (1 + 2 + 3 = 6 for three bad batches).
