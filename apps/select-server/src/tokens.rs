@@ -96,13 +96,26 @@ fn parse_token_array(body: &[u8], i: usize) -> Option<(Vec<u32>, usize)> {
     if body.get(i) != Some(&b'[') {
         return None;
     }
-    let mut i = skip_ws(body, i + 1);
+    let i = skip_ws(body, i + 1);
     // Sized for ids of three or more digits (real vocabularies); shorter ones regrow.
     let mut out = Vec::with_capacity((body.len() - i) / 4 + 1);
     if body.get(i) == Some(&b']') {
         return Some((out, i + 1));
     }
-    i = compact_run(body, i, &mut out)?;
+    let resume = match interleaved_runs(body, i, &mut out) {
+        Some(resume) => resume,
+        None => {
+            out.clear();
+            compact_run(body, i, &mut out)
+        }
+    };
+    finish_array(body, resume, out)
+}
+
+/// The rest of an id array from `body[i]` (an id's first byte) on, one id at a time, with
+/// whitespace anywhere JSON allows it; appends to `out` and returns it with the index after
+/// the `]`.
+fn finish_array(body: &[u8], mut i: usize, mut out: Vec<u32>) -> Option<(Vec<u32>, usize)> {
     loop {
         let rest = body.get(i..)?;
         let (value, len) = match swar_digits(rest) {
@@ -128,34 +141,109 @@ fn parse_token_array(body: &[u8], i: usize) -> Option<(Vec<u32>, usize)> {
     }
 }
 
-/// The ids of a compact run (`12,345,6789,…`) starting at `body[i]`, appended to `out`;
-/// returns where the general loop takes over: at the id before a `]`, whitespace or anything
-/// else, or when fewer than 8 bytes remain. `None` only for a leading zero.
+/// How many stretches of a long compact array [`interleaved_runs`] parses side by side.
+const STREAMS: usize = 4;
+
+/// Arrays shorter than this (bytes to the end of the body) are parsed as one stream: the
+/// split costs more than it saves.
+const INTERLEAVE_MIN_BYTES: usize = 512;
+
+/// The compact prefix of a long id array, parsed as [`STREAMS`] independent stretches in
+/// one loop; returns where [`compact_run`]'s caller takes over, with every id before it
+/// appended to `out` in order. `None` when the array is short or not compact where it was
+/// cut (the caller then parses it as one stream, from the start).
 ///
-/// The general loop was bound by instruction count (about 75 per id on 2,048-id bodies):
-/// this one loads 8 bytes once per id and reads the id's length and the separator after it
-/// from that same word, about 30 instructions per id.
-fn compact_run(body: &[u8], mut i: usize, out: &mut Vec<u32>) -> Option<usize> {
-    while let Some(chunk) = body.get(i..).and_then(<[u8]>::first_chunk::<8>) {
-        let word = u64::from_le_bytes(*chunk);
-        let x = word ^ 0x3030_3030_3030_3030;
-        let len = first_non_digit(x);
-        // 0 digits, 8+ digits, or not followed by a comma: the general loop decides.
-        if len == 0 || len == 8 || (word >> (8 * len)) as u8 != b',' {
-            break;
+/// One stream is bound by latency, not by instructions: an id's end is only known once
+/// its 8-byte word is loaded and classified, and that end is the next id's address, so
+/// each id waits about a dozen cycles for the one before it. Cutting the array at commas
+/// into stretches gives the core independent chains to overlap.
+///
+/// Why the cuts cannot change the result: each stretch but the last is accepted only if
+/// its compact ids, from its start, land exactly one byte after the comma that ends it,
+/// so every byte before the last stretch was validated as `digits,digits,…,` by the same
+/// rule [`compact_run`] applies; the last stretch continues exactly as one stream would.
+fn interleaved_runs(body: &[u8], start: usize, out: &mut Vec<u32>) -> Option<usize> {
+    let remaining = body.len() - start;
+    if remaining < INTERLEAVE_MIN_BYTES {
+        return None;
+    }
+    // Stretch k runs from `pos[k]` to `ends[k]` (one past its closing comma); the last
+    // one runs on to the end of the compact form.
+    let mut pos = [start; STREAMS];
+    let mut ends = [usize::MAX; STREAMS];
+    for k in 1..STREAMS {
+        let cut = start + remaining * k / STREAMS;
+        let comma = cut + body[cut..].iter().take(16).position(|&b| b == b',')?;
+        ends[k - 1] = comma + 1;
+        pos[k] = comma + 1;
+    }
+    // The first stretch writes to `out`, the others to buffers appended after it.
+    let mut later: [Vec<u32>; STREAMS - 1] =
+        std::array::from_fn(|_| Vec::with_capacity(remaining / (4 * STREAMS) + 8));
+    'together: loop {
+        for k in 0..STREAMS {
+            if pos[k] >= ends[k] {
+                break 'together;
+            }
+            let Some((value, consumed)) = compact_id(body, pos[k]) else {
+                break 'together;
+            };
+            match k.checked_sub(1) {
+                None => out.push(value),
+                Some(j) => later[j].push(value),
+            }
+            pos[k] += consumed;
         }
-        if len > 1 && word as u8 == b'0' {
+    }
+    // Whatever stretch stopped first, the others but the last finish alone.
+    for k in 0..STREAMS - 1 {
+        while pos[k] < ends[k] {
+            let (value, consumed) = compact_id(body, pos[k])?;
+            match k.checked_sub(1) {
+                None => out.push(value),
+                Some(j) => later[j].push(value),
+            }
+            pos[k] += consumed;
+        }
+        if pos[k] != ends[k] {
             return None;
         }
-        let mut v = x << (8 * (8 - len));
-        v = (v.wrapping_mul(10) + (v >> 8)) & 0x00ff_00ff_00ff_00ff;
-        v = (v.wrapping_mul(100) + (v >> 16)) & 0x0000_ffff_0000_ffff;
-        v = v.wrapping_mul(10_000) + (v >> 32);
-        out.push((v & 0xffff_ffff) as u32);
-        i += len as usize + 1;
+    }
+    for ids in &later {
+        out.extend_from_slice(ids);
+    }
+    Some(compact_run(body, pos[STREAMS - 1], out))
+}
+
+/// The ids of a compact run (`12,345,6789,…`) starting at `body[i]`, appended to `out`;
+/// returns where the general loop takes over: at the id before a `]`, whitespace or anything
+/// else, or when fewer than 8 bytes remain.
+fn compact_run(body: &[u8], mut i: usize, out: &mut Vec<u32>) -> usize {
+    while let Some((value, consumed)) = compact_id(body, i) {
+        out.push(value);
+        i += consumed;
     }
     // After a comma the general loop expects the next value's first byte.
-    Some(skip_ws(body, i))
+    skip_ws(body, i)
+}
+
+/// The id at `body[i]` and the bytes it takes with its comma, when it is 1 to 7 digits
+/// without a leading zero followed directly by a comma and 8 bytes can be read; else
+/// `None`, and the general loop decides (a leading zero is an error there).
+///
+/// It loads 8 bytes once and reads the id's length and the separator after it from that
+/// same word: about 30 instructions per id, where a byte loop took about 75.
+#[inline(always)]
+fn compact_id(body: &[u8], i: usize) -> Option<(u32, usize)> {
+    let word = u64::from_le_bytes(*body.get(i..)?.first_chunk::<8>()?);
+    let x = word ^ 0x3030_3030_3030_3030;
+    let len = first_non_digit(x);
+    // 0 digits, 8+ digits, not followed by a comma, or a leading zero.
+    if len == 0 || len == 8 || (word >> (8 * len)) as u8 != b',' || (len > 1 && word as u8 == b'0')
+    {
+        return None;
+    }
+    Some((digits_value(x, len), len as usize + 1))
 }
 
 /// A run of 1 to 7 digits at the start of `rest`, converted without a branch per digit (the
@@ -168,12 +256,20 @@ fn swar_digits(rest: &[u8]) -> Option<(u32, usize)> {
     if len == 0 || len == 8 {
         return None;
     }
-    // First digit in the lowest lane: shifting up pads the front with zero digits.
+    Some((digits_value(x, len as u32), len))
+}
+
+/// The value of the `len` (1..=7) digits in the low lanes of `x = word ^ 0x30…30`, first
+/// digit lowest, without a branch per digit (the unpredictable lengths of token ids made a
+/// byte loop mispredict once per id).
+#[inline(always)]
+fn digits_value(x: u64, len: u32) -> u32 {
+    // Shifting up drops the lanes past the id and pads the front with zero digits.
     let mut v = x << (8 * (8 - len));
     v = (v.wrapping_mul(10) + (v >> 8)) & 0x00ff_00ff_00ff_00ff;
     v = (v.wrapping_mul(100) + (v >> 16)) & 0x0000_ffff_0000_ffff;
     v = v.wrapping_mul(10_000) + (v >> 32);
-    Some(((v & 0xffff_ffff) as u32, len))
+    (v & 0xffff_ffff) as u32
 }
 
 /// The lane (0..=8, 8 = none) of the first byte of `x = word ^ 0x30…30` that is not an
@@ -332,7 +428,7 @@ mod tests {
 
         /// A selection-like body: other members around a `token_ids` array, with varied
         /// separators, optionally damaged at one byte.
-        fn body() -> impl Strategy<Value = Vec<u8>> {
+        fn body(ids: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u8>> {
             let member = prop::sample::select(vec![
                 r#""model_name":"m""#,
                 r#""n":-1.5e3"#,
@@ -343,7 +439,7 @@ mod tests {
             let sep = prop::sample::select(vec![",", " , ", ",\n  ", "\t,"]);
             (
                 prop::collection::vec(member, 0..3),
-                prop::collection::vec(any::<u32>().prop_map(|t| t % 300_000), 0..40),
+                prop::collection::vec(any::<u32>().prop_map(|t| t % 300_000), ids),
                 prop::collection::vec(sep, 1..4),
                 0usize..4,
                 prop::option::of((any::<prop::sample::Index>(), any::<u8>())),
@@ -376,22 +472,14 @@ mod tests {
             /// caller requires), serde agrees on the whole body: the same ids, and the
             /// same other members.
             #[test]
-            fn agrees_with_serde(bytes in body()) {
-                let Some((tokens, rest)) = split_token_ids(&bytes) else {
-                    return Ok(());
-                };
-                let Ok(Value::Object(rest)) = serde_json::from_slice::<Value>(&rest) else {
-                    return Ok(());
-                };
-                let whole: Value = serde_json::from_slice(&bytes)
-                    .map_err(|e| TestCaseError::fail(format!("fast path accepted invalid JSON: {e}")))?;
-                let Value::Object(mut whole) = whole else {
-                    return Err(TestCaseError::fail("fast path accepted a non-object"));
-                };
-                let ids: Vec<u32> = serde_json::from_value(whole.remove("token_ids").unwrap_or_default())
-                    .map_err(|e| TestCaseError::fail(format!("serde rejects the ids: {e}")))?;
-                prop_assert_eq!(ids, tokens);
-                prop_assert_eq!(whole, rest);
+            fn agrees_with_serde(bytes in body(0..40)) {
+                agree_with_serde(&bytes)?;
+            }
+
+            /// Arrays long enough to be parsed as interleaved stretches.
+            #[test]
+            fn agrees_with_serde_on_long_arrays(bytes in body(90..400)) {
+                agree_with_serde(&bytes)?;
             }
 
             /// Arbitrary bytes never panic.
@@ -400,6 +488,65 @@ mod tests {
                 let _ = split_token_ids(&bytes);
             }
         }
+
+        fn agree_with_serde(bytes: &[u8]) -> Result<(), TestCaseError> {
+            let Some((tokens, rest)) = split_token_ids(bytes) else {
+                return Ok(());
+            };
+            let Ok(Value::Object(rest)) = serde_json::from_slice::<Value>(&rest) else {
+                return Ok(());
+            };
+            let whole: Value = serde_json::from_slice(bytes).map_err(|e| {
+                TestCaseError::fail(format!("fast path accepted invalid JSON: {e}"))
+            })?;
+            let Value::Object(mut whole) = whole else {
+                return Err(TestCaseError::fail("fast path accepted a non-object"));
+            };
+            let ids: Vec<u32> =
+                serde_json::from_value(whole.remove("token_ids").unwrap_or_default())
+                    .map_err(|e| TestCaseError::fail(format!("serde rejects the ids: {e}")))?;
+            prop_assert_eq!(ids, tokens);
+            prop_assert_eq!(whole, rest);
+            Ok(())
+        }
+    }
+
+    /// The interleaved stretches give what one stream gives, whatever one byte of a long
+    /// array is turned into: at a cut, inside a stretch, or at its end.
+    #[test]
+    fn interleaving_agrees_with_one_stream_at_every_byte() {
+        let ids: Vec<String> = (0..160u32)
+            .map(|k| (k * 7_919 % 150_000).to_string())
+            .collect();
+        let clean = format!(r#"{{"m":"x","token_ids":[{}],"n":1}}"#, ids.join(","));
+        let open = clean.find('[').unwrap() + 1;
+        let one_stream = |body: &[u8]| {
+            let i = skip_ws(body, open);
+            if body.get(i) == Some(&b']') {
+                return Some((Vec::new(), i + 1));
+            }
+            let mut out = Vec::new();
+            let resume = compact_run(body, i, &mut out);
+            finish_array(body, resume, out)
+        };
+        let mut interleaved = 0;
+        for at in open..clean.len() {
+            for byte in *b"0,] x-" {
+                let mut body = clean.clone().into_bytes();
+                body[at] = byte;
+                let mut out = Vec::new();
+                if interleaved_runs(&body, open, &mut out).is_some() {
+                    interleaved += 1;
+                }
+                assert_eq!(
+                    parse_token_array(&body, open - 1),
+                    one_stream(&body),
+                    "byte {byte:?} at {at}"
+                );
+            }
+        }
+        // Most damage leaves the cuts compact: the interleaved path really ran.
+        assert!(interleaved > clean.len(), "{interleaved}");
     }
 
     #[test]
