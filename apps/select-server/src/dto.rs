@@ -12,29 +12,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kv_types::{BlockMmInfo, MmObject, i64_from_u64, u64_from_i64};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use service_builder::{PartitionKey, PromptInput, PromptQuery, ReservationRequest, SelectRequest};
+
+use crate::ApiError;
 
 // ---------------------------------------------------------------------------------------------
 // Prompt (§3)
 // ---------------------------------------------------------------------------------------------
-
-/// The prompt fields shared by `/select`, `/select_and_reserve`, `/reservations`,
-/// `/potential_loads` and `/overlap_scores` (§3). Raw, as received; see
-/// [`Prompt::selection_form`] and [`Prompt::reservation_form`] for the §3.1/§3.3 rules.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Prompt {
-    pub token_ids: Option<Vec<u32>>,
-    pub mm_routing_info: Option<MmRoutingInfo>,
-    /// Per-block multimodal info for `token_ids` (`null` entries are blocks without any).
-    pub block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
-    /// Public block hashes (signed on the wire).
-    pub block_hashes: Option<Vec<u64>>,
-    /// Tracking hashes (signed on the wire).
-    pub sequence_hashes: Option<Vec<u64>>,
-    pub isl_tokens: Option<u64>,
-    pub lora_name: Option<String>,
-    pub cache_salt: Option<String>,
-    pub is_eagle: Option<bool>,
-}
 
 /// `mm_routing_info`.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -44,139 +28,13 @@ pub struct MmRoutingInfo {
     pub block_mm_infos: Vec<Option<BlockMmInfo>>,
 }
 
-/// Which form a prompt takes once the precedence of §3.1 is applied.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum PromptForm<'a> {
-    /// Routing tokens (multimodal routing tokens or `token_ids`) with their per-block infos.
-    Tokens {
-        tokens: &'a [u32],
-        block_mm_infos: &'a [Option<BlockMmInfo>],
-    },
-    /// The hash-only trio. `block_hashes` is always `Some` from
-    /// [`Prompt::selection_form`]; it may be `None` from [`Prompt::reservation_form`].
-    Hashes {
-        block_hashes: Option<&'a [u64]>,
-        sequence_hashes: &'a [u64],
-        isl_tokens: u64,
-    },
-}
-
-impl PromptForm<'_> {
-    /// Normalised ISL (§3.2).
-    pub fn isl(&self) -> u64 {
-        match self {
-            PromptForm::Tokens { tokens, .. } => tokens.len() as u64,
-            PromptForm::Hashes { isl_tokens, .. } => *isl_tokens,
+impl From<MmRoutingInfo> for service_builder::MmRoutingInfo {
+    fn from(m: MmRoutingInfo) -> Self {
+        Self {
+            routing_token_ids: m.routing_token_ids,
+            block_mm_infos: m.block_mm_infos,
         }
     }
-}
-
-/// Prompt validation failures of §3.3 (all HTTP 400), with the reference's messages.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PromptError {
-    #[error("block_hashes is required without token_ids")]
-    MissingBlockHashes,
-    #[error("sequence_hashes is required without token_ids")]
-    MissingSequenceHashes,
-    #[error("isl_tokens is required without token_ids")]
-    MissingIslTokens,
-    #[error("isl_tokens must be greater than 0")]
-    ZeroIslTokens,
-    #[error(
-        "block_hashes length {block_hashes} must match sequence_hashes length {sequence_hashes}"
-    )]
-    LengthMismatch {
-        block_hashes: usize,
-        sequence_hashes: usize,
-    },
-}
-
-impl From<PromptError> for crate::ApiError {
-    fn from(e: PromptError) -> Self {
-        crate::ApiError::bad_request(e.to_string())
-    }
-}
-
-impl Prompt {
-    /// The routing tokens of §3.1 steps 1–2, if a token form applies.
-    pub fn routing_tokens(&self) -> Option<(&[u32], &[Option<BlockMmInfo>])> {
-        if let Some(mm) = &self.mm_routing_info
-            && !mm.routing_token_ids.is_empty()
-        {
-            return Some((&mm.routing_token_ids, &mm.block_mm_infos));
-        }
-        self.token_ids
-            .as_deref()
-            .map(|t| (t, self.block_mm_infos.as_deref().unwrap_or(&[])))
-    }
-
-    /// Selection-style validation (§3.3; `/select`, `/select_and_reserve`,
-    /// `/potential_loads`, `/overlap_scores`).
-    pub fn selection_form(&self) -> Result<PromptForm<'_>, PromptError> {
-        if let Some((tokens, block_mm_infos)) = self.routing_tokens() {
-            return Ok(PromptForm::Tokens {
-                tokens,
-                block_mm_infos,
-            });
-        }
-        let block_hashes = self
-            .block_hashes
-            .as_deref()
-            .ok_or(PromptError::MissingBlockHashes)?;
-        let sequence_hashes = self
-            .sequence_hashes
-            .as_deref()
-            .ok_or(PromptError::MissingSequenceHashes)?;
-        let isl_tokens = self.isl_tokens.ok_or(PromptError::MissingIslTokens)?;
-        check_hash_trio(block_hashes, sequence_hashes, isl_tokens)?;
-        Ok(PromptForm::Hashes {
-            block_hashes: Some(block_hashes),
-            sequence_hashes,
-            isl_tokens,
-        })
-    }
-
-    /// Reservation-style validation (§3.3; explicit `/reservations` form): `block_hashes`
-    /// optional, `isl_tokens` may be 0, lengths not compared. When the partition records
-    /// routing decisions and `block_hashes` is present, the caller also applies
-    /// [`check_hash_trio`].
-    pub fn reservation_form(&self) -> Result<PromptForm<'_>, PromptError> {
-        if let Some((tokens, block_mm_infos)) = self.routing_tokens() {
-            return Ok(PromptForm::Tokens {
-                tokens,
-                block_mm_infos,
-            });
-        }
-        let sequence_hashes = self
-            .sequence_hashes
-            .as_deref()
-            .ok_or(PromptError::MissingSequenceHashes)?;
-        let isl_tokens = self.isl_tokens.ok_or(PromptError::MissingIslTokens)?;
-        Ok(PromptForm::Hashes {
-            block_hashes: self.block_hashes.as_deref(),
-            sequence_hashes,
-            isl_tokens,
-        })
-    }
-}
-
-/// Selection-style rules 4–5 of §3.3 for the hash-only form.
-pub fn check_hash_trio(
-    block_hashes: &[u64],
-    sequence_hashes: &[u64],
-    isl_tokens: u64,
-) -> Result<(), PromptError> {
-    if isl_tokens == 0 {
-        return Err(PromptError::ZeroIslTokens);
-    }
-    if block_hashes.len() != sequence_hashes.len() {
-        return Err(PromptError::LengthMismatch {
-            block_hashes: block_hashes.len(),
-            sequence_hashes: sequence_hashes.len(),
-        });
-    }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -250,67 +108,6 @@ pub struct RoutingConstraints {
     pub required_taints: BTreeSet<String>,
     #[serde(default)]
     pub preferred_taints: BTreeMap<String, f32>,
-}
-
-/// The shared fields of `/select` and `/select_and_reserve` (§3.4) plus the policy-class
-/// header (§1.6).
-#[derive(Clone, Debug, PartialEq)]
-pub struct SelectionOptions {
-    pub model_name: String,
-    pub routing_group: String,
-    pub selection_id: Option<String>,
-    pub router_config_override: Option<RouterConfigOverride>,
-    pub expected_output_tokens: Option<u32>,
-    pub priority_jump: f64,
-    pub strict_priority: u32,
-    pub session_id: Option<String>,
-    pub session_context: Option<SessionContext>,
-    pub affinity_target: Option<AffinityTarget>,
-    pub pinned_worker: Option<PinnedWorker>,
-    pub allowed_worker_ids: Option<BTreeSet<u64>>,
-    pub routing_constraints: RoutingConstraints,
-    /// `x-dynamo-meta-policy-class` header, trimmed; `None` when absent, empty or not UTF-8.
-    pub policy_class: Option<String>,
-}
-
-/// `POST /select` body.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SelectRequest {
-    pub prompt: Prompt,
-    pub options: SelectionOptions,
-    pub advisory: bool,
-}
-
-/// `POST /select_and_reserve` body (an `advisory` key is ignored).
-#[derive(Clone, Debug, PartialEq)]
-pub struct SelectAndReserveRequest {
-    pub prompt: Prompt,
-    pub options: SelectionOptions,
-}
-
-/// `POST /reservations` body. `worker_id` present ⇒ explicit form, else replay form.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ReservationRequest {
-    pub model_name: String,
-    pub routing_group: String,
-    pub selection_id: String,
-    pub worker_id: Option<u64>,
-    /// `None` means rank 0.
-    pub dp_rank: Option<u32>,
-    pub prompt: Prompt,
-    pub router_config_override: Option<RouterConfigOverride>,
-    pub expected_output_tokens: Option<u32>,
-    pub effective_prefill_tokens: Option<u64>,
-    pub track_prefill_tokens: Option<bool>,
-}
-
-/// `POST /potential_loads` and `POST /overlap_scores` body.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PromptQueryRequest {
-    pub model_name: String,
-    pub routing_group: String,
-    pub prompt: Prompt,
-    pub router_config_override: Option<RouterConfigOverride>,
 }
 
 /// `POST /reservations/{id}/output_block` body.
@@ -494,43 +291,6 @@ pub struct WorkerRecord {
     /// there are none, so a healthy record has the reference's shape.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
-}
-
-impl WorkerRecord {
-    /// The record echoing `req` (no defaulting, §4.2) with the given lifecycle and reasons.
-    pub fn from_request(
-        req: WorkerRequest,
-        lifecycle: Lifecycle,
-        not_schedulable_reasons: Vec<String>,
-    ) -> Self {
-        Self {
-            worker_id: req.worker_id,
-            model_name: req.model_name,
-            routing_group: req.routing_group,
-            lifecycle,
-            endpoint: req.endpoint,
-            kv_events_endpoint: req.kv_events_endpoint,
-            kv_events_endpoints: req.kv_events_endpoints,
-            replay_endpoint: req.replay_endpoint,
-            block_size: req.block_size,
-            data_parallel_start_rank: req.data_parallel_start_rank,
-            data_parallel_size: req.data_parallel_size,
-            max_num_batched_tokens: req.max_num_batched_tokens,
-            total_kv_blocks: req.total_kv_blocks,
-            stable_routing_id: req.stable_routing_id,
-            is_eagle: req.is_eagle,
-            taints: req.taints,
-            topology_domains: req.topology_domains,
-            kv_transfer_domain: req.kv_transfer_domain,
-            kv_transfer_enforcement: req.kv_transfer_enforcement,
-            kv_transfer_preferred_weight: req.kv_transfer_preferred_weight,
-            router_hint_worker_type: req.router_hint_worker_type,
-            router_hint_source_control_endpoints: req.router_hint_source_control_endpoints,
-            kv_event_source_mode: req.kv_event_source_mode,
-            not_schedulable_reasons,
-            warnings: Vec::new(),
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -719,19 +479,38 @@ impl StatusOk {
 // Wire structs (prompt fields inline) and conversions
 // ---------------------------------------------------------------------------------------------
 
+/// The prompt members (§3) of a wire struct, moved into the service's [`PromptInput`]; the
+/// three wire structs list them inline under the same names.
+macro_rules! prompt_input {
+    ($wire:ident) => {
+        PromptInput {
+            token_ids: $wire.token_ids,
+            mm_routing_info: $wire.mm_routing_info.map(Into::into),
+            block_mm_infos: $wire.block_mm_infos,
+            block_hashes: $wire.block_hashes,
+            sequence_hashes: $wire.sequence_hashes,
+            isl_tokens: $wire.isl_tokens,
+            lora_name: $wire.lora_name,
+            cache_salt: $wire.cache_salt,
+            is_eagle: $wire.is_eagle,
+        }
+    };
+}
+
 fn default_name() -> String {
     "default".to_owned()
 }
 
 /// `/select` and `/select_and_reserve` bodies.
 #[derive(Deserialize)]
+#[cfg_attr(test, derive(Debug, PartialEq))]
 pub(crate) struct WireSelection {
     #[serde(default)]
     token_ids: Option<Vec<u32>>,
     #[serde(default)]
     mm_routing_info: Option<MmRoutingInfo>,
-    #[serde(default, deserialize_with = "de_opt_block_mm_infos")]
-    block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
+    #[serde(default, deserialize_with = "de_block_mm_infos")]
+    block_mm_infos: Vec<Option<BlockMmInfo>>,
     #[serde(default, deserialize_with = "de_opt_signed")]
     block_hashes: Option<Vec<u64>>,
     #[serde(default, deserialize_with = "de_opt_signed")]
@@ -789,36 +568,40 @@ impl WireSelection {
         Some(wire)
     }
 
-    /// Splits into prompt, options and the `advisory` flag.
-    pub(crate) fn split(self, policy_class: Option<String>) -> (Prompt, SelectionOptions, bool) {
-        let prompt = Prompt {
-            token_ids: self.token_ids,
-            mm_routing_info: self.mm_routing_info,
-            block_mm_infos: self.block_mm_infos,
-            block_hashes: self.block_hashes,
-            sequence_hashes: self.sequence_hashes,
-            isl_tokens: self.isl_tokens,
-            lora_name: self.lora_name,
-            cache_salt: self.cache_salt,
-            is_eagle: self.is_eagle,
-        };
-        let options = SelectionOptions {
-            model_name: self.model_name,
-            routing_group: self.routing_group,
+    /// The service's request, each member moved out of the parsed body. `advisory` is
+    /// `/select`'s alone (`/select_and_reserve` ignores the key); the override's ranges and
+    /// alias are checked here (422), the prompt rules by the service.
+    pub(crate) fn into_request(
+        self,
+        policy_class: Option<String>,
+        advisory_route: bool,
+    ) -> Result<SelectRequest, ApiError> {
+        let constraints = self.routing_constraints.unwrap_or_default();
+        Ok(SelectRequest {
+            router_config_override: config_override(self.router_config_override)?,
+            partition: PartitionKey::new(self.model_name, self.routing_group),
             selection_id: self.selection_id,
-            router_config_override: self.router_config_override,
             expected_output_tokens: self.expected_output_tokens,
             priority_jump: self.priority_jump.unwrap_or(0.0),
             strict_priority: self.strict_priority.unwrap_or(0),
             session_id: self.session_id,
-            session_context: self.session_context,
-            affinity_target: self.affinity_target,
-            pinned_worker: self.pinned_worker,
-            allowed_worker_ids: self.allowed_worker_ids,
-            routing_constraints: self.routing_constraints.unwrap_or_default(),
+            session_context: self.session_context.map(SessionContext::into_policy),
+            affinity_target: self
+                .affinity_target
+                .map(|a| selection_policy::AffinityTarget {
+                    worker_id: kv_types::WorkerId(a.worker_id),
+                    dp_rank: a.dp_rank.map(kv_types::DpRank),
+                }),
+            pinned_worker: self
+                .pinned_worker
+                .map(|p| kv_types::WorkerKey::new(p.worker_id, p.dp_rank)),
+            allowed_worker_ids: self.allowed_worker_ids.map(|s| s.into_iter().collect()),
+            required_taints: constraints.required_taints.into_iter().collect(),
+            preferred_taints: constraints.preferred_taints,
+            advisory: advisory_route && self.advisory.unwrap_or(false),
             policy_class,
-        };
-        (prompt, options, self.advisory.unwrap_or(false))
+            prompt: prompt_input!(self),
+        })
     }
 }
 
@@ -828,8 +611,8 @@ pub(crate) struct WireReservation {
     token_ids: Option<Vec<u32>>,
     #[serde(default)]
     mm_routing_info: Option<MmRoutingInfo>,
-    #[serde(default, deserialize_with = "de_opt_block_mm_infos")]
-    block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
+    #[serde(default, deserialize_with = "de_block_mm_infos")]
+    block_mm_infos: Vec<Option<BlockMmInfo>>,
     #[serde(default, deserialize_with = "de_opt_signed")]
     block_hashes: Option<Vec<u64>>,
     #[serde(default, deserialize_with = "de_opt_signed")]
@@ -862,30 +645,20 @@ pub(crate) struct WireReservation {
     track_prefill_tokens: Option<bool>,
 }
 
-impl From<WireReservation> for ReservationRequest {
-    fn from(w: WireReservation) -> Self {
-        Self {
-            model_name: w.model_name,
-            routing_group: w.routing_group,
-            selection_id: w.selection_id,
-            worker_id: w.worker_id,
-            dp_rank: w.dp_rank,
-            prompt: Prompt {
-                token_ids: w.token_ids,
-                mm_routing_info: w.mm_routing_info,
-                block_mm_infos: w.block_mm_infos,
-                block_hashes: w.block_hashes,
-                sequence_hashes: w.sequence_hashes,
-                isl_tokens: w.isl_tokens,
-                lora_name: w.lora_name,
-                cache_salt: w.cache_salt,
-                is_eagle: w.is_eagle,
-            },
-            router_config_override: w.router_config_override,
-            expected_output_tokens: w.expected_output_tokens,
-            effective_prefill_tokens: w.effective_prefill_tokens,
-            track_prefill_tokens: w.track_prefill_tokens,
-        }
+impl WireReservation {
+    /// The service's request, each member moved out of the parsed body.
+    pub(crate) fn into_request(self) -> Result<ReservationRequest, ApiError> {
+        Ok(ReservationRequest {
+            router_config_override: config_override(self.router_config_override)?,
+            partition: PartitionKey::new(self.model_name, self.routing_group),
+            selection_id: self.selection_id,
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+            expected_output_tokens: self.expected_output_tokens,
+            effective_prefill_tokens: self.effective_prefill_tokens,
+            track_prefill_tokens: self.track_prefill_tokens,
+            prompt: prompt_input!(self),
+        })
     }
 }
 
@@ -895,8 +668,8 @@ pub(crate) struct WirePromptQuery {
     token_ids: Option<Vec<u32>>,
     #[serde(default)]
     mm_routing_info: Option<MmRoutingInfo>,
-    #[serde(default, deserialize_with = "de_opt_block_mm_infos")]
-    block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
+    #[serde(default, deserialize_with = "de_block_mm_infos")]
+    block_mm_infos: Vec<Option<BlockMmInfo>>,
     #[serde(default, deserialize_with = "de_opt_signed")]
     block_hashes: Option<Vec<u64>>,
     #[serde(default, deserialize_with = "de_opt_signed")]
@@ -918,24 +691,47 @@ pub(crate) struct WirePromptQuery {
     router_config_override: Option<RouterConfigOverride>,
 }
 
-impl From<WirePromptQuery> for PromptQueryRequest {
-    fn from(w: WirePromptQuery) -> Self {
-        Self {
-            model_name: w.model_name,
-            routing_group: w.routing_group,
-            prompt: Prompt {
-                token_ids: w.token_ids,
-                mm_routing_info: w.mm_routing_info,
-                block_mm_infos: w.block_mm_infos,
-                block_hashes: w.block_hashes,
-                sequence_hashes: w.sequence_hashes,
-                isl_tokens: w.isl_tokens,
-                lora_name: w.lora_name,
-                cache_salt: w.cache_salt,
-                is_eagle: w.is_eagle,
-            },
-            router_config_override: w.router_config_override,
-        }
+impl WirePromptQuery {
+    /// The service's query, each member moved out of the parsed body.
+    pub(crate) fn into_request(self) -> Result<PromptQuery, ApiError> {
+        Ok(PromptQuery {
+            router_config_override: config_override(self.router_config_override)?,
+            partition: PartitionKey::new(self.model_name, self.routing_group),
+            prompt: prompt_input!(self),
+        })
+    }
+}
+
+/// The validated override (alias folded in); a violation is a 422 like a shape error.
+fn config_override(
+    o: Option<RouterConfigOverride>,
+) -> Result<selection_policy::RouterConfigOverride, ApiError> {
+    let Some(o) = o else {
+        return Ok(Default::default());
+    };
+    selection_policy::RouterConfigOverride {
+        overlap_score_credit: o.overlap_score_credit,
+        prefill_load_scale: o.prefill_load_scale,
+        router_temperature: o.router_temperature,
+        assume_kv_reuse: o.assume_kv_reuse,
+        track_prefill_tokens: o.track_prefill_tokens,
+        shared_cache_multiplier: o.shared_cache_multiplier,
+        overlap_score_weight: o.overlap_score_weight,
+    }
+    .validate()
+    .map_err(|e| ApiError::new(http::StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))
+}
+
+impl SessionContext {
+    /// The policy's view: the session id and the agent headers as `(name, value)` pairs.
+    fn into_policy(self) -> selection_policy::SessionContext {
+        let headers = self
+            .agent_headers
+            .unwrap_or_default()
+            .into_iter()
+            .flat_map(|(k, vs)| vs.into_iter().map(move |v| (k.clone(), v)))
+            .collect();
+        selection_policy::SessionContext::new(self.session_id, headers)
     }
 }
 
@@ -991,13 +787,6 @@ fn de_block_mm_infos<'de, D: Deserializer<'de>>(
     Ok(v.map(convert_mm_infos).unwrap_or_default())
 }
 
-fn de_opt_block_mm_infos<'de, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Option<Vec<Option<BlockMmInfo>>>, D::Error> {
-    let v: Option<Vec<Option<WireBlockExtraInfo>>> = Option::deserialize(d)?;
-    Ok(v.map(convert_mm_infos))
-}
-
 fn de_null_default<'de, D, T>(d: D) -> Result<T, D::Error>
 where
     D: Deserializer<'de>,
@@ -1030,26 +819,22 @@ fn de_opt_unit_interval<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, 
 mod tests {
     use super::*;
 
-    fn prompt(json: &str) -> Prompt {
+    fn request(json: &str) -> SelectRequest {
         let w: WireSelection = serde_json::from_str(json).unwrap();
-        w.split(None).0
+        w.into_request(None, true).unwrap()
     }
 
     #[test]
     fn the_selection_fast_path_agrees_with_the_exact_parse() {
         let limits = crate::BodyLimits::default();
-        let exact = |body: &str| {
-            crate::body::parse_json::<WireSelection>(body.as_bytes(), &limits)
-                .map(|w| w.split(Some("c".into())))
-        };
+        let exact = |body: &str| crate::body::parse_json::<WireSelection>(body.as_bytes(), &limits);
         for body in [
             r#"{"token_ids":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#,
             r#"{"model_name":"m","token_ids":[ 100000 , 2 ],"advisory":true,"session_id":"s"}"#,
             r#"{"token_ids":[],"block_hashes":[-1,2],"routing_group":"g"}"#,
             r#"{"token_ids":[7],"allowed_worker_ids":[3,1],"router_config_override":{"overlap_score_weight":2.0}}"#,
         ] {
-            let fast = WireSelection::parse_fast(body.as_bytes(), &limits)
-                .map(|w| w.split(Some("c".into())));
+            let fast = WireSelection::parse_fast(body.as_bytes(), &limits);
             assert_eq!(fast.as_ref(), exact(body).as_ref().ok(), "{body}");
             assert!(fast.is_some(), "{body}");
         }
@@ -1073,89 +858,47 @@ mod tests {
     }
 
     #[test]
-    fn selection_form_rules_in_spec_order() {
-        let check = |json: &str, want: Result<(), PromptError>| {
-            let got = prompt(json).selection_form().map(|_| ());
-            assert_eq!(got, want, "{json}");
-        };
-        check("{}", Err(PromptError::MissingBlockHashes));
-        check(
-            r#"{"block_hashes":[1]}"#,
-            Err(PromptError::MissingSequenceHashes),
+    fn a_selection_body_becomes_the_service_request() {
+        let r = request(
+            r#"{"model_name":"m","block_hashes":[1,-2],"sequence_hashes":[3,4],"isl_tokens":32,
+                "priority_jump":2.5,"session_context":{"session_id":"s","agent_headers":{"x":["a","b"]}},
+                "affinity_target":{"worker_id":4},"pinned_worker":{"worker_id":5,"dp_rank":1},
+                "allowed_worker_ids":[7,7,6],"routing_constraints":{"required_taints":["t"]},
+                "advisory":true}"#,
         );
-        check(
-            r#"{"block_hashes":[1],"sequence_hashes":[1]}"#,
-            Err(PromptError::MissingIslTokens),
-        );
-        check(
-            r#"{"block_hashes":[1],"sequence_hashes":[1],"isl_tokens":0}"#,
-            Err(PromptError::ZeroIslTokens),
-        );
-        check(
-            r#"{"block_hashes":[1,2],"sequence_hashes":[1],"isl_tokens":32}"#,
-            Err(PromptError::LengthMismatch {
-                block_hashes: 2,
-                sequence_hashes: 1,
-            }),
-        );
-        check(
-            r#"{"block_hashes":[1,2],"sequence_hashes":[1,2],"isl_tokens":1}"#,
-            Ok(()),
-        );
-        // token form wins and ignores the hashes entirely
-        check(r#"{"token_ids":[],"block_hashes":[1]}"#, Ok(()));
+        assert_eq!(r.partition, PartitionKey::new("m", "default"));
+        assert_eq!(r.prompt.block_hashes, Some(vec![1, u64::MAX - 1]));
+        assert_eq!(r.prompt.isl_tokens, Some(32));
+        assert_eq!((r.priority_jump, r.strict_priority), (2.5, 0));
+        let session = r.session_context.unwrap();
+        assert_eq!(session.session_id(), "s");
+        assert_eq!(session.headers().len(), 2);
+        assert_eq!(r.affinity_target.unwrap().dp_rank, None);
+        assert_eq!(r.pinned_worker, Some(kv_types::WorkerKey::new(5, 1)));
+        assert_eq!(r.allowed_worker_ids, Some(vec![6, 7]));
+        assert_eq!(r.required_taints, vec!["t".to_owned()]);
+        assert!(r.advisory);
+        // `/select_and_reserve` ignores `advisory`.
+        let w: WireSelection = serde_json::from_str(r#"{"advisory":true}"#).unwrap();
+        assert!(!w.into_request(Some("c".into()), false).unwrap().advisory);
     }
 
     #[test]
-    fn messages_match_reference() {
-        assert_eq!(
-            PromptError::LengthMismatch {
-                block_hashes: 2,
-                sequence_hashes: 1
-            }
-            .to_string(),
-            "block_hashes length 2 must match sequence_hashes length 1"
-        );
-    }
-
-    #[test]
-    fn reservation_form_is_lenient() {
-        let p = prompt(r#"{"sequence_hashes":[21,-22],"isl_tokens":0}"#);
-        let form = p.reservation_form().unwrap();
-        assert_eq!(
-            form,
-            PromptForm::Hashes {
-                block_hashes: None,
-                sequence_hashes: &[21, u64::MAX - 21],
-                isl_tokens: 0
-            }
-        );
-        assert_eq!(
-            prompt(r#"{"isl_tokens":3}"#).reservation_form(),
-            Err(PromptError::MissingSequenceHashes)
-        );
-        assert_eq!(
-            prompt(r#"{"sequence_hashes":[]}"#).reservation_form(),
-            Err(PromptError::MissingIslTokens)
-        );
-    }
-
-    #[test]
-    fn multimodal_routing_tokens_take_precedence_only_when_non_empty() {
-        let p = prompt(
+    fn multimodal_routing_info_is_parsed_with_its_block_infos() {
+        let r = request(
             r#"{"token_ids":[1,2],"mm_routing_info":{"routing_token_ids":[7,8,9],
-                "block_mm_infos":[{"mm_objects":[{"mm_hash":5,"offsets":[[0,2]]}]},null]}}"#,
+                "block_mm_infos":[{"mm_objects":[{"mm_hash":5,"offsets":[[0,2]]}]},null]},
+                "block_mm_infos":null}"#,
         );
-        let (tokens, infos) = p.routing_tokens().unwrap();
-        assert_eq!(tokens, &[7, 8, 9]);
-        assert_eq!(infos.len(), 2);
+        let mm = r.prompt.mm_routing_info.unwrap();
+        assert_eq!(mm.routing_token_ids, vec![7, 8, 9]);
+        assert_eq!(mm.block_mm_infos.len(), 2);
         assert_eq!(
-            infos[0].as_ref().unwrap().mm_objects[0].offsets,
+            mm.block_mm_infos[0].as_ref().unwrap().mm_objects[0].offsets,
             vec![[0, 2]]
         );
-        let p = prompt(r#"{"token_ids":[1,2],"mm_routing_info":{"routing_token_ids":[]}}"#);
-        assert_eq!(p.routing_tokens().unwrap().0, &[1, 2]);
-        assert_eq!(p.selection_form().unwrap().isl(), 2);
+        assert!(r.prompt.block_mm_infos.is_empty());
+        assert_eq!(r.prompt.token_ids, Some(vec![1, 2]));
     }
 
     #[test]
@@ -1170,5 +913,8 @@ mod tests {
             serde_json::from_str::<RouterConfigOverride>(r#"{"shared_cache_multiplier":1.5}"#)
                 .is_err()
         );
+        // The alias is folded in on the way to the service.
+        let r = request(r#"{"router_config_override":{"overlap_score_weight":0}}"#);
+        assert_eq!(r.router_config_override.overlap_score_credit, Some(0.0));
     }
 }

@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use select_server::config::ServerConfig;
 use select_server::dto::*;
 use select_server::{ApiResult, Backend, EdgeOptions, ServiceBackend, build_service, router};
+use service_builder::{PromptQuery, ReservationRequest, SelectRequest};
 use tower::ServiceExt;
 
 /// What reached the backend, in order.
@@ -25,15 +26,15 @@ pub(crate) enum Call {
     Patch(u64, WorkerPatch),
     Delete(u64),
     Select(SelectRequest),
-    SelectAndReserve(SelectAndReserveRequest),
+    SelectAndReserve(SelectRequest),
     Reserve(ReservationRequest),
     Prefill(String),
     Output(String, OutputBlockRequest),
     Free(String),
     Ready,
     Loads(LoadsQuery),
-    Potential(PromptQueryRequest),
-    Overlap(PromptQueryRequest),
+    Potential(PromptQuery),
+    Overlap(PromptQuery),
     Dump,
     Register(PeerRequest),
     Deregister(PeerRequest),
@@ -83,10 +84,7 @@ impl Backend for Recorder {
         self.inner.select(req).await
     }
 
-    async fn select_and_reserve(
-        &self,
-        req: SelectAndReserveRequest,
-    ) -> ApiResult<SelectionResponse> {
+    async fn select_and_reserve(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
         self.record(Call::SelectAndReserve(req.clone()));
         self.inner.select_and_reserve(req).await
     }
@@ -121,12 +119,12 @@ impl Backend for Recorder {
         self.inner.loads(query).await
     }
 
-    async fn potential_loads(&self, req: PromptQueryRequest) -> ApiResult<Vec<RankLoad>> {
+    async fn potential_loads(&self, req: PromptQuery) -> ApiResult<Vec<RankLoad>> {
         self.record(Call::Potential(req.clone()));
         self.inner.potential_loads(req).await
     }
 
-    async fn overlap_scores(&self, req: PromptQueryRequest) -> ApiResult<OverlapScoresResponse> {
+    async fn overlap_scores(&self, req: PromptQuery) -> ApiResult<OverlapScoresResponse> {
         self.record(Call::Overlap(req.clone()));
         self.inner.overlap_scores(req).await
     }

@@ -502,7 +502,7 @@ async fn policy_class_header_passes_through() {
         let Some(Call::Select(req)) = calls.last() else {
             panic!("{calls:?}")
         };
-        assert_eq!(req.options.policy_class.as_deref(), expected);
+        assert_eq!(req.policy_class.as_deref(), expected);
     }
     let r = h
         .send(
@@ -520,7 +520,7 @@ async fn policy_class_header_passes_through() {
     let Some(Call::SelectAndReserve(req)) = calls.last() else {
         panic!("{calls:?}")
     };
-    assert_eq!(req.options.policy_class.as_deref(), Some("batch"));
+    assert_eq!(req.policy_class.as_deref(), Some("batch"));
 }
 
 #[tokio::test]
@@ -619,7 +619,7 @@ async fn errors_use_the_envelope() {
             "details": {"policy_class": "batch", "limit_kind": "raw_isl_tokens", "current": 100, "limit": 64}
         })
     );
-    // prompt rules applied by the backend via the dto helpers (transcript steps 50, 53, 54)
+    // prompt rules applied by the service (transcript steps 50, 53, 54)
     for (body, msg) in [
         ("{}", "block_hashes is required without token_ids"),
         (

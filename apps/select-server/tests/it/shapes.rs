@@ -415,21 +415,21 @@ async fn request_dtos_reach_the_backend_as_typed_values() {
         panic!("{calls:?}")
     };
     assert!(sel.advisory);
-    let o = &sel.options;
-    assert_eq!(o.model_name, "llama");
-    assert_eq!(o.routing_group, "default");
+    let o = sel;
+    assert_eq!(o.partition.model_name, "llama");
+    assert_eq!(o.partition.routing_group, "default");
     assert_eq!(o.selection_id.as_deref(), Some("req-43"));
     assert_eq!(o.expected_output_tokens, Some(256));
     assert_eq!(o.priority_jump, -5.0);
     assert_eq!(o.strict_priority, 0);
     assert_eq!(o.session_id.as_deref(), Some("legacy"));
     assert_eq!(
-        o.session_context.as_ref().map(|c| c.session_id.as_str()),
+        o.session_context.as_ref().map(|c| c.session_id()),
         Some("chat-1")
     );
     assert!(o.affinity_target.is_none() && o.pinned_worker.is_none());
     assert_eq!(o.allowed_worker_ids.as_ref().map(|s| s.len()), Some(2));
-    assert!(o.routing_constraints.required_taints.contains("gpu"));
+    assert!(o.required_taints.iter().any(|t| t == "gpu"));
     assert_eq!(sel.prompt.block_hashes, Some(vec![11, 12]));
     assert_eq!(sel.prompt.sequence_hashes, Some(vec![21, u64::MAX - 21]));
     assert_eq!(sel.prompt.isl_tokens, Some(40));
@@ -446,13 +446,11 @@ async fn request_dtos_reach_the_backend_as_typed_values() {
         panic!("{calls:?}")
     };
     assert_eq!(
-        (q.model_name.as_str(), q.routing_group.as_str()),
+        (
+            q.partition.model_name.as_str(),
+            q.partition.routing_group.as_str()
+        ),
         ("default", "g")
     );
-    assert_eq!(
-        q.router_config_override
-            .as_ref()
-            .and_then(|o| o.assume_kv_reuse),
-        Some(false)
-    );
+    assert_eq!(q.router_config_override.assume_kv_reuse, Some(false));
 }
