@@ -1,5 +1,6 @@
-//! [`Backend`] over the in-process [`SelectionService`]: DTO <-> service-type conversions
-//! and the error mapping. Operations that may block (catalog changes join listener
+//! [`Backend`] over the in-process [`SelectionService`]: worker bodies into service types,
+//! the service's answers into DTOs, and the error mapping (selection, reservation and
+//! prompt-query requests arrive in the service's types already). Operations that may block (catalog changes join listener
 //! threads) run on tokio's blocking pool so the async workers never stall. Selections and
 //! bookings go through the service's async methods, which run them inline and give only
 //! those that would wait (admission queue, a session being initialized) a thread of their
