@@ -264,7 +264,8 @@ impl Harness {
         r
     }
 
-    /// Registers a schedulable worker (with KV events off) in `model_name`/`routing_group`.
+    /// Registers worker `worker_id` with an endpoint and block size 16 (schedulable when KV
+    /// events are off); `extra` members (`"model_name":"m"`) are added to the body.
     pub(crate) async fn worker(&self, worker_id: u64, extra: &str) -> Reply {
         let sep = if extra.is_empty() { "" } else { "," };
         let body = format!(

@@ -1,11 +1,11 @@
 //! Routing, rejections, auth and header handling.
 
-use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::Full;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::Full;
 use select_server::{BodyLimits, EdgeOptions, router};
 use tower::ServiceExt;
 
@@ -76,8 +76,8 @@ async fn worker_id_path_parameter() {
         .json(Method::PATCH, "/workers/999", r#"{"block_size":16}"#)
         .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
-    h.worker(u64::MAX, "").await;
     assert_eq!(r.body, r#"{"error":"worker 999 not found"}"#);
+    h.worker(u64::MAX, "").await;
     let r = h
         .bare(Method::DELETE, "/workers/18446744073709551615")
         .await;
@@ -662,17 +662,15 @@ async fn queue_over_its_limit() -> (
     .expect("write the policy file");
     let path = policy.to_str().expect("UTF-8 temp path");
     let q = Harness::with_service(
-        service(&["--router-policy-config", path], &[]),
+        service(
+            &["--router-policy-config", path],
+            &[("DYN_ROUTER_USE_KV_EVENTS", "false")],
+        ),
         EdgeOptions::default(),
     );
     let _ = std::fs::remove_file(&policy);
-    // The policy file's router settings replace the environment's: KV events are on. A
-    // queueing class needs each rank's capacity.
-    let events = format!(
-        r#""kv_events_endpoint":"tcp://127.0.0.1:{}","max_num_batched_tokens":8192"#,
-        testkit::free_port()
-    );
-    q.worker(1, &events).await;
+    // A queueing class needs each rank's capacity.
+    q.worker(1, r#""max_num_batched_tokens":8192"#).await;
     q.reservation("busy").await;
     let tokens: Vec<u32> = (0..100).collect();
     let body = serde_json::json!({ "token_ids": tokens }).to_string();
