@@ -10,11 +10,12 @@ use std::future::Future;
 use http::StatusCode;
 use serde::Serialize;
 
+use service_builder::{PromptQuery, ReservationRequest, SelectRequest};
+
 use crate::dto::{
     LoadsQuery, OutputBlockRequest, OverlapScoresResponse, PartitionLoads, PeerRegistration,
-    PeerRequest, PromptQueryRequest, RankLoad, RawJson, ReadyResponse, ReservationRequest,
-    ReservationResponse, SelectAndReserveRequest, SelectRequest, SelectionResponse, WorkerPatch,
-    WorkerQuery, WorkerRecord, WorkerRequest,
+    PeerRequest, RankLoad, RawJson, ReadyResponse, ReservationResponse, SelectionResponse,
+    WorkerPatch, WorkerQuery, WorkerRecord, WorkerRequest,
 };
 
 /// A failure rendered as the contract's error envelope: `{"error": message}` plus `details`
@@ -144,11 +145,12 @@ pub type ApiResult<T> = Result<T, ApiError>;
 
 /// The selection service as the HTTP edge sees it.
 ///
-/// Every request DTO has already passed the edge's checks: content type, size, JSON syntax,
-/// nesting/array bounds, shape (types, required fields, `router_config_override` ranges), and
-/// the `decay_fraction` range. Prompt rules of `http-api.md` §3.3 are left to the backend
-/// because the contract orders them after readiness (and, for explicit reservations, after
-/// discarding the cached selection); [`crate::dto::Prompt`] has pure helpers for them.
+/// Every request has already passed the edge's checks: content type, size, JSON syntax,
+/// nesting/array bounds, shape (types, required fields, `router_config_override` ranges and
+/// alias), and the `decay_fraction` range. Selection, reservation and prompt-query bodies
+/// arrive as the service's own request types. Prompt rules of `http-api.md` §3.3 are left to
+/// the service because the contract orders them after readiness (and, for explicit
+/// reservations, after discarding the cached selection).
 pub trait Backend: Send + Sync + 'static {
     /// `POST /workers` → 201.
     fn upsert_worker(
@@ -182,7 +184,7 @@ pub trait Backend: Send + Sync + 'static {
     /// `POST /select_and_reserve` → 200.
     fn select_and_reserve(
         &self,
-        req: SelectAndReserveRequest,
+        req: SelectRequest,
     ) -> impl Future<Output = ApiResult<SelectionResponse>> + Send;
 
     /// `POST /reservations` (replay form when `worker_id` is `None`) → 201.
@@ -217,13 +219,13 @@ pub trait Backend: Send + Sync + 'static {
     /// `POST /potential_loads` → 200.
     fn potential_loads(
         &self,
-        req: PromptQueryRequest,
+        req: PromptQuery,
     ) -> impl Future<Output = ApiResult<Vec<RankLoad>>> + Send;
 
     /// `POST /overlap_scores` → 200.
     fn overlap_scores(
         &self,
-        req: PromptQueryRequest,
+        req: PromptQuery,
     ) -> impl Future<Output = ApiResult<OverlapScoresResponse>> + Send;
 
     /// `GET /dump` → 200 with the already-serialized recovery snapshot

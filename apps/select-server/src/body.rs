@@ -166,8 +166,9 @@ pub(crate) fn parse_json<T: DeserializeOwned>(
 
 /// The happy path of [`parse_json`] alone: `Some` when the body is within bounds, an object,
 /// and deserializes without error; `None` means "ask [`parse_json`] for the exact error".
-/// Lets a route try a faster body type that may refuse what the exact one accepts (e.g.
-/// [`crate::dto::FastTokens`]) before falling back.
+/// Lets a route try a faster parse that may refuse what the exact one accepts (the selection
+/// body with its `token_ids` cut out, [`crate::dto::WireSelection::parse_fast`]) before
+/// falling back.
 pub(crate) fn try_parse_json<T: DeserializeOwned>(bytes: &[u8], limits: &BodyLimits) -> Option<T> {
     check_bounds(bytes, limits).ok()?;
     if bytes.iter().copied().find(|b| !b.is_ascii_whitespace()) != Some(b'{') {

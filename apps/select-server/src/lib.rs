@@ -15,8 +15,8 @@
 //! over the in-process `service-builder` service.
 //! Prompt rules of §3.3 are *not* applied here although they are stateless: the contract
 //! orders them after readiness (a bad prompt on an unready partition is 503, not 400) and,
-//! for explicit reservations, after discarding the cached selection. The backend applies
-//! them with the pure helpers on [`dto::Prompt`].
+//! for explicit reservations, after discarding the cached selection. The service applies
+//! them; the edge only moves the prompt members into its request types.
 //!
 //! # Invariants
 //! - A rejected body reaches no backend method (nothing changes).

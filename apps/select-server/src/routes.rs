@@ -20,9 +20,8 @@ use crate::auth::{Access, AccessTokens};
 use crate::backend::{ApiError, Backend};
 use crate::body::{BodyLimits, parse_json, read_json_body};
 use crate::dto::{
-    OutputBlockRequest, PeerRegistration, PeerRequest, PromptQueryRequest, ReservationRequest,
-    SelectAndReserveRequest, SelectRequest, StatusOk, WireSelection, WorkerPatch, WorkerQuery,
-    WorkerRequest,
+    OutputBlockRequest, PeerRegistration, PeerRequest, StatusOk, WirePromptQuery, WireReservation,
+    WireSelection, WorkerPatch, WorkerQuery, WorkerRequest,
 };
 
 /// Header naming the router policy class (§1.6).
@@ -259,11 +258,11 @@ impl<B: Backend> Routes<B> {
 
         // The fast token parser first; the exact one only for unusual or invalid bodies.
         macro_rules! selection_body {
-            ($policy_class:expr) => {{
+            () => {{
                 let bytes = read_json_body(headers, body, limits).await?;
                 match WireSelection::parse_fast(&bytes, limits) {
-                    Some(wire) => wire.split($policy_class),
-                    None => parse_json::<WireSelection>(&bytes, limits)?.split($policy_class),
+                    Some(wire) => wire,
+                    None => parse_json::<WireSelection>(&bytes, limits)?,
                 }
             }};
         }
@@ -293,23 +292,15 @@ impl<B: Backend> Routes<B> {
                 json(StatusCode::OK, &be.delete_worker(id).await?)
             }
             (Route::Select, Method::POST) => {
-                let policy_class = policy_class(headers);
-                let (prompt, options, advisory) = selection_body!(policy_class);
-                let req = SelectRequest {
-                    prompt,
-                    options,
-                    advisory,
-                };
+                let req = selection_body!().into_request(policy_class(headers), true)?;
                 json(StatusCode::OK, &be.select(req).await?)
             }
             (Route::SelectAndReserve, Method::POST) => {
-                let policy_class = policy_class(headers);
-                let (prompt, options, _advisory) = selection_body!(policy_class);
-                let req = SelectAndReserveRequest { prompt, options };
+                let req = selection_body!().into_request(policy_class(headers), false)?;
                 json(StatusCode::OK, &be.select_and_reserve(req).await?)
             }
             (Route::Reservations, Method::POST) => {
-                let req: ReservationRequest = json_body!(crate::dto::WireReservation).into();
+                let req = json_body!(WireReservation).into_request()?;
                 json(StatusCode::CREATED, &be.create_reservation(req).await?)
             }
             (Route::PrefillComplete(raw), Method::POST) => {
@@ -349,11 +340,11 @@ impl<B: Backend> Routes<B> {
                 json(StatusCode::OK, &be.loads(q).await?)
             }
             (Route::PotentialLoads, Method::POST) => {
-                let req: PromptQueryRequest = json_body!(crate::dto::WirePromptQuery).into();
+                let req = json_body!(WirePromptQuery).into_request()?;
                 json(StatusCode::OK, &be.potential_loads(req).await?)
             }
             (Route::OverlapScores, Method::POST) => {
-                let req: PromptQueryRequest = json_body!(crate::dto::WirePromptQuery).into();
+                let req = json_body!(WirePromptQuery).into_request()?;
                 json(StatusCode::OK, &be.overlap_scores(req).await?)
             }
             (Route::Dump, Method::GET) => {

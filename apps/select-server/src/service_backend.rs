@@ -1,5 +1,6 @@
-//! [`Backend`] over the in-process [`SelectionService`]: DTO <-> service-type conversions
-//! and the error mapping. Operations that may block (catalog changes join listener
+//! [`Backend`] over the in-process [`SelectionService`]: worker bodies into service types,
+//! the service's answers into DTOs, and the error mapping (selection, reservation and
+//! prompt-query requests arrive in the service's types already). Operations that may block (catalog changes join listener
 //! threads) run on tokio's blocking pool so the async workers never stall. Selections and
 //! bookings go through the service's async methods, which run them inline and give only
 //! those that would wait (admission queue, a session being initialized) a thread of their
@@ -10,17 +11,15 @@ use std::sync::Arc;
 
 use http::StatusCode;
 use prometheus_client::registry::Registry;
-use selection_policy::{AffinityTarget as PolicyAffinity, SessionContext as PolicySession};
 use service_builder::{
-    Lifecycle as SvcLifecycle, PartitionKey, PromptInput, PromptQuery, SelectionCore,
+    Lifecycle as SvcLifecycle, PromptQuery, ReservationRequest, SelectRequest, SelectionCore,
     SelectionError, SelectionService, WorkerCatalogRecord,
 };
 
 use crate::backend::{ApiError, ApiResult, Backend};
 use crate::dto::{
     self, LoadsQuery, OutputBlockRequest, OverlapScoresResponse, PartitionLoads, PeerRegistration,
-    PeerRequest, PromptQueryRequest, RankLoad, RankOverlapScores, RawJson, ReadyResponse,
-    ReservationRequest, ReservationResponse, SelectAndReserveRequest, SelectRequest,
+    PeerRequest, RankLoad, RankOverlapScores, RawJson, ReadyResponse, ReservationResponse,
     SelectionResponse, SharedCacheScores, WorkerPatch, WorkerQuery, WorkerRecord, WorkerRequest,
 };
 
@@ -196,81 +195,6 @@ pub(crate) fn worker_record(r: WorkerCatalogRecord) -> WorkerRecord {
     }
 }
 
-fn prompt(p: dto::Prompt) -> PromptInput {
-    PromptInput {
-        token_ids: p.token_ids,
-        mm_routing_info: p.mm_routing_info.map(|m| service_builder::MmRoutingInfo {
-            routing_token_ids: m.routing_token_ids,
-            block_mm_infos: m.block_mm_infos,
-        }),
-        block_mm_infos: p.block_mm_infos.unwrap_or_default(),
-        block_hashes: p.block_hashes,
-        sequence_hashes: p.sequence_hashes,
-        isl_tokens: p.isl_tokens,
-        lora_name: p.lora_name,
-        cache_salt: p.cache_salt,
-        is_eagle: p.is_eagle,
-    }
-}
-
-fn config_override(
-    o: Option<dto::RouterConfigOverride>,
-) -> ApiResult<selection_policy::RouterConfigOverride> {
-    let Some(o) = o else {
-        return Ok(Default::default());
-    };
-    selection_policy::RouterConfigOverride {
-        overlap_score_credit: o.overlap_score_credit,
-        prefill_load_scale: o.prefill_load_scale,
-        router_temperature: o.router_temperature,
-        assume_kv_reuse: o.assume_kv_reuse,
-        track_prefill_tokens: o.track_prefill_tokens,
-        shared_cache_multiplier: o.shared_cache_multiplier,
-        overlap_score_weight: o.overlap_score_weight,
-    }
-    .validate()
-    .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))
-}
-
-fn select_request(
-    p: dto::Prompt,
-    o: dto::SelectionOptions,
-    advisory: bool,
-) -> ApiResult<service_builder::SelectRequest> {
-    let session_context = o.session_context.map(|c| {
-        let headers = c
-            .agent_headers
-            .unwrap_or_default()
-            .into_iter()
-            .flat_map(|(k, vs)| vs.into_iter().map(move |v| (k.clone(), v)))
-            .collect();
-        PolicySession::new(c.session_id, headers)
-    });
-    Ok(service_builder::SelectRequest {
-        partition: PartitionKey::new(o.model_name, o.routing_group),
-        selection_id: o.selection_id,
-        prompt: prompt(p),
-        router_config_override: config_override(o.router_config_override)?,
-        expected_output_tokens: o.expected_output_tokens,
-        priority_jump: o.priority_jump,
-        strict_priority: o.strict_priority,
-        session_id: o.session_id,
-        session_context,
-        affinity_target: o.affinity_target.map(|a| PolicyAffinity {
-            worker_id: kv_types::WorkerId(a.worker_id),
-            dp_rank: a.dp_rank.map(kv_types::DpRank),
-        }),
-        pinned_worker: o
-            .pinned_worker
-            .map(|p| kv_types::WorkerKey::new(p.worker_id, p.dp_rank)),
-        allowed_worker_ids: o.allowed_worker_ids.map(|s| s.into_iter().collect()),
-        required_taints: o.routing_constraints.required_taints.into_iter().collect(),
-        preferred_taints: o.routing_constraints.preferred_taints,
-        advisory,
-        policy_class: o.policy_class,
-    })
-}
-
 fn selection_response(r: service_builder::SelectResponse) -> SelectionResponse {
     SelectionResponse {
         selection_id: r.selection_id,
@@ -317,14 +241,6 @@ fn selection_response(r: service_builder::SelectResponse) -> SelectionResponse {
     }
 }
 
-fn prompt_query(r: PromptQueryRequest) -> ApiResult<PromptQuery> {
-    Ok(PromptQuery {
-        partition: PartitionKey::new(r.model_name, r.routing_group),
-        prompt: prompt(r.prompt),
-        router_config_override: config_override(r.router_config_override)?,
-    })
-}
-
 fn rank_load(l: service_builder::LoadRow) -> RankLoad {
     RankLoad {
         worker_id: l.worker_id,
@@ -364,41 +280,25 @@ impl Backend for ServiceBackend {
     }
 
     async fn select(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
-        let r = select_request(req.prompt, req.options, req.advisory)?;
         self.service
-            .select(r)
+            .select(req)
             .await
             .map(selection_response)
             .map_err(api_error)
     }
 
-    async fn select_and_reserve(
-        &self,
-        req: SelectAndReserveRequest,
-    ) -> ApiResult<SelectionResponse> {
-        let r = select_request(req.prompt, req.options, false)?;
+    async fn select_and_reserve(&self, req: SelectRequest) -> ApiResult<SelectionResponse> {
         self.service
-            .select_and_reserve(r)
+            .select_and_reserve(req)
             .await
             .map(selection_response)
             .map_err(api_error)
     }
 
     async fn create_reservation(&self, req: ReservationRequest) -> ApiResult<ReservationResponse> {
-        let r = service_builder::ReservationRequest {
-            partition: PartitionKey::new(req.model_name, req.routing_group),
-            selection_id: req.selection_id,
-            worker_id: req.worker_id,
-            dp_rank: req.dp_rank,
-            prompt: prompt(req.prompt),
-            router_config_override: config_override(req.router_config_override)?,
-            expected_output_tokens: req.expected_output_tokens,
-            effective_prefill_tokens: req.effective_prefill_tokens,
-            track_prefill_tokens: req.track_prefill_tokens,
-        };
         let out = self
             .service
-            .create_reservation(r)
+            .create_reservation(req)
             .await
             .map_err(api_error)?;
         Ok(ReservationResponse {
@@ -454,15 +354,13 @@ impl Backend for ServiceBackend {
             .collect())
     }
 
-    async fn potential_loads(&self, req: PromptQueryRequest) -> ApiResult<Vec<RankLoad>> {
-        let q = prompt_query(req)?;
-        let rows = self.core().potential_loads(&q).map_err(api_error)?;
+    async fn potential_loads(&self, req: PromptQuery) -> ApiResult<Vec<RankLoad>> {
+        let rows = self.core().potential_loads(&req).map_err(api_error)?;
         Ok(rows.into_iter().map(rank_load).collect())
     }
 
-    async fn overlap_scores(&self, req: PromptQueryRequest) -> ApiResult<OverlapScoresResponse> {
-        let q = prompt_query(req)?;
-        let r = self.core().overlap_scores(&q).map_err(api_error)?;
+    async fn overlap_scores(&self, req: PromptQuery) -> ApiResult<OverlapScoresResponse> {
+        let r = self.core().overlap_scores(&req).map_err(api_error)?;
         Ok(OverlapScoresResponse {
             block_size: r.block_size,
             num_blocks: r.num_blocks as u64,

@@ -22,7 +22,7 @@ use select_server::{AccessTokens, EdgeOptions, router};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::fake::Fake;
+use crate::harness::{Harness, Recorder};
 use crate::http::{free_port, spawn_on_free_port};
 
 const FULL_A: &str = "full-token-aaaaaaaaaaaa";
@@ -30,7 +30,7 @@ const FULL_B: &str = "full-token-bbbbbbbbbbbb";
 const READ_ONLY: &str = "read-only-token-rrrrrrrr";
 
 // ---------------------------------------------------------------------------------------
-// Routes (oneshot against the fake backend)
+// Routes (oneshot against the real service behind a recorder)
 
 struct Answer {
     status: StatusCode,
@@ -38,7 +38,7 @@ struct Answer {
     body: Value,
 }
 
-async fn call(fake: &Arc<Fake>, method: Method, path: &str, token: Option<&str>) -> Answer {
+async fn call(backend: &Arc<Recorder>, method: Method, path: &str, token: Option<&str>) -> Answer {
     let options = EdgeOptions {
         auth: AccessTokens::from_tokens([FULL_A, FULL_B], [READ_ONLY]),
         ..EdgeOptions::default()
@@ -53,7 +53,7 @@ async fn call(fake: &Arc<Fake>, method: Method, path: &str, token: Option<&str>)
     let body = Full::new(Bytes::from_static(
         br#"{"token_ids":[1,2,3],"endpoint":"tcp://a:1"}"#,
     ));
-    let resp = router(Arc::clone(fake), options)
+    let resp = router(Arc::clone(backend), options)
         .oneshot(req.body(body).unwrap())
         .await
         .unwrap();
@@ -72,51 +72,57 @@ async fn call(fake: &Arc<Fake>, method: Method, path: &str, token: Option<&str>)
 
 #[tokio::test]
 async fn missing_or_unknown_tokens_get_401_with_a_challenge() {
-    let fake = Arc::new(Fake::default());
+    let backend = Arc::clone(&Harness::new().backend);
     for token in [None, Some("wrong-token-0000000000"), Some(&FULL_A[1..])] {
         for (method, path) in [
             (Method::GET, "/loads"),
             (Method::POST, "/select"),
             (Method::GET, "/no/such/route"),
         ] {
-            let a = call(&fake, method, path, token).await;
+            let a = call(&backend, method, path, token).await;
             assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{path} {token:?}");
             assert_eq!(a.www_authenticate.as_deref(), Some("Bearer"));
             assert_eq!(a.body["error"], "missing or invalid bearer token");
         }
     }
-    assert!(fake.calls().is_empty());
+    assert!(backend.calls().is_empty());
     // /health stays open.
-    let a = call(&fake, Method::GET, "/health", None).await;
+    let a = call(&backend, Method::GET, "/health", None).await;
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(a.body, json!({"status": "ok"}));
 }
 
 #[tokio::test]
 async fn every_full_token_opens_every_route() {
-    let fake = Arc::new(Fake::default());
+    let h = Harness::new();
+    h.worker(1, "").await;
+    let backend = Arc::clone(&h.backend);
     for token in [FULL_A, FULL_B] {
         assert_eq!(
-            call(&fake, Method::GET, "/loads", Some(token)).await.status,
-            StatusCode::OK
-        );
-        assert_eq!(
-            call(&fake, Method::POST, "/select", Some(token))
+            call(&backend, Method::GET, "/loads", Some(token))
                 .await
                 .status,
             StatusCode::OK
         );
         assert_eq!(
-            call(&fake, Method::GET, "/nope", Some(token)).await.status,
+            call(&backend, Method::POST, "/select", Some(token))
+                .await
+                .status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            call(&backend, Method::GET, "/nope", Some(token))
+                .await
+                .status,
             StatusCode::NOT_FOUND
         );
     }
-    assert_eq!(fake.calls().len(), 4);
+    assert_eq!(backend.calls().len(), 4);
 }
 
 #[tokio::test]
 async fn read_only_tokens_read_and_get_403_on_changes() {
-    let fake = Arc::new(Fake::default());
+    let backend = Arc::clone(&Harness::new().backend);
     for (method, path) in [
         (Method::GET, "/workers"),
         (Method::GET, "/loads"),
@@ -128,14 +134,14 @@ async fn read_only_tokens_read_and_get_403_on_changes() {
         (Method::POST, "/potential_loads"),
         (Method::POST, "/overlap_scores"),
     ] {
-        let a = call(&fake, method.clone(), path, Some(READ_ONLY)).await;
+        let a = call(&backend, method.clone(), path, Some(READ_ONLY)).await;
         assert!(
             a.status != StatusCode::UNAUTHORIZED && a.status != StatusCode::FORBIDDEN,
             "{method} {path}: {}",
             a.status
         );
     }
-    let reads = fake.calls().len();
+    let reads = backend.calls().len();
     for (method, path) in [
         (Method::POST, "/select"),
         (Method::POST, "/select_and_reserve"),
@@ -150,7 +156,7 @@ async fn read_only_tokens_read_and_get_403_on_changes() {
         (Method::POST, "/replica_sync/deregister_peer"),
         (Method::PUT, "/loads"),
     ] {
-        let a = call(&fake, method.clone(), path, Some(READ_ONLY)).await;
+        let a = call(&backend, method.clone(), path, Some(READ_ONLY)).await;
         assert_eq!(a.status, StatusCode::FORBIDDEN, "{method} {path}");
         assert_eq!(a.www_authenticate, None);
         assert!(
@@ -160,9 +166,9 @@ async fn read_only_tokens_read_and_get_403_on_changes() {
         );
     }
     // Nothing reached the backend, and unknown paths are still 404.
-    assert_eq!(fake.calls().len(), reads);
+    assert_eq!(backend.calls().len(), reads);
     assert_eq!(
-        call(&fake, Method::POST, "/nope", Some(READ_ONLY))
+        call(&backend, Method::POST, "/nope", Some(READ_ONLY))
             .await
             .status,
         StatusCode::NOT_FOUND

@@ -1,12 +1,13 @@
 //! Integration tests of select-server: routes driven through `tower::ServiceExt::oneshot`
-//! against a recording fake backend, with golden bodies from `spec/reference-transcript.md`.
+//! over the real service in process (`harness`), with golden bodies from
+//! `spec/reference-transcript.md`.
 
 mod auth;
 mod binary;
 mod bounds;
 mod ext_proc;
-mod fake;
 mod faults;
+mod harness;
 mod http;
 mod mesh;
 mod routes;

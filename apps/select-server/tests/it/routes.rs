@@ -1,11 +1,15 @@
 //! Routing, rejections, auth and header handling.
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
-use select_server::{BodyLimits, EdgeOptions};
+use select_server::{BodyLimits, EdgeOptions, router};
+use tower::ServiceExt;
 
-use crate::fake::{Call, Harness};
+use crate::harness::{Call, Harness, service};
 
 const SHAPE: &str = "Failed to deserialize the JSON body into the target type: ";
 const SYNTAX: &str = "Failed to parse the request body as JSON: ";
@@ -48,7 +52,7 @@ async fn health_and_fallbacks() {
     }
     let r = h.bare(Method::GET, "/health").await;
     assert_eq!(r.allow, None);
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
 }
 
 #[tokio::test]
@@ -62,7 +66,7 @@ async fn worker_id_path_parameter() {
     let r = h.bare(Method::DELETE, "/workers/-1").await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.error(), "Invalid URL: Cannot parse `-1` to a `u64`");
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
 
     // path checked before the body: a bad id with a bad body is still the path error
     let r = h.bare(Method::PATCH, "/workers/x1").await;
@@ -73,13 +77,14 @@ async fn worker_id_path_parameter() {
         .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.body, r#"{"error":"worker 999 not found"}"#);
+    h.worker(u64::MAX, "").await;
     let r = h
         .bare(Method::DELETE, "/workers/18446744073709551615")
         .await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.json()["lifecycle"], "unschedulable");
     assert!(r.json().get("not_schedulable_reasons").is_none());
-    let calls = h.fake.calls();
+    let calls = h.calls();
     assert!(matches!(&calls[0], Call::Patch(999, p) if p.block_size == Some(16)));
     assert!(matches!(calls[1], Call::Delete(u64::MAX)));
 }
@@ -87,13 +92,16 @@ async fn worker_id_path_parameter() {
 #[tokio::test]
 async fn selection_id_is_percent_decoded() {
     let h = Harness::new();
+    h.worker(1, "").await;
+    h.reservation("a/b c").await;
+    h.reservation("✓").await;
     let r = h
         .bare(Method::POST, "/reservations/a%2Fb%20c/prefill_complete")
         .await;
     assert_eq!(r.status, StatusCode::OK);
     let r = h.bare(Method::DELETE, "/reservations/%E2%9C%93").await;
     assert_eq!(r.status, StatusCode::OK);
-    let calls = h.fake.calls();
+    let calls = h.calls();
     assert!(matches!(&calls[0], Call::Prefill(id) if id == "a/b c"));
     assert!(matches!(&calls[1], Call::Free(id) if id == "✓"));
 }
@@ -101,6 +109,8 @@ async fn selection_id_is_percent_decoded() {
 #[tokio::test]
 async fn content_type_rejections() {
     let h = Harness::new();
+    h.worker(2, "").await;
+    h.reservation("r1").await;
     let expected = "Expected request with `Content-Type: application/json`";
     let r = h
         .send(
@@ -135,7 +145,7 @@ async fn content_type_rejections() {
         )
         .await;
     assert_eq!(r.status, StatusCode::CREATED);
-    assert_eq!(h.fake.calls().len(), 1);
+    assert_eq!(h.calls().len(), 1);
 
     // routes without a body ignore body and content type
     let r = h
@@ -165,7 +175,7 @@ async fn syntax_errors_are_400() {
         r.error(),
         format!("{SYNTAX}EOF while parsing a value at line 1 column 0")
     );
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
 }
 
 #[tokio::test]
@@ -217,7 +227,7 @@ async fn bodies_serde_json_cannot_parse_are_400_on_every_json_route() {
         )
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
 }
 
 #[tokio::test]
@@ -236,7 +246,7 @@ async fn trailing_bytes_are_400_and_change_nothing() {
         .json(Method::POST, "/workers", r#"{"worker_id":1} x"#)
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
     let r = h
         .json(Method::POST, "/workers", "{\"worker_id\":1}\r\n \t")
         .await;
@@ -350,7 +360,7 @@ async fn shape_errors_are_422_naming_the_field() {
         "{}",
         r.status
     );
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
 }
 
 #[tokio::test]
@@ -379,18 +389,19 @@ async fn body_over_8_mib_is_413() {
         )
         .await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
 }
 
 #[tokio::test]
 async fn large_prompt_under_the_limit_is_served() {
     let h = Harness::new();
+    h.worker(1, "").await;
     let tokens: Vec<String> = (0..500_000).map(|t| t.to_string()).collect();
     let body = format!(r#"{{"token_ids":[{}]}}"#, tokens.join(","));
     assert!(body.len() < 8 << 20);
     let r = h.json(Method::POST, "/select", body).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
-    let calls = h.fake.calls();
+    let calls = h.calls();
     let Call::Select(req) = &calls[0] else {
         panic!("{calls:?}")
     };
@@ -417,6 +428,7 @@ async fn nesting_and_array_bounds() {
         },
         ..EdgeOptions::default()
     });
+    small.worker(1, "").await;
     let r = small
         .json(Method::POST, "/select", r#"{"token_ids":[1,2,3,4,5]}"#)
         .await;
@@ -426,7 +438,7 @@ async fn nesting_and_array_bounds() {
         .json(Method::POST, "/select", r#"{"token_ids":[1,2,3,4]}"#)
         .await;
     assert_eq!(r.status, StatusCode::OK);
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
 }
 
 #[tokio::test]
@@ -454,7 +466,7 @@ async fn bearer_auth() {
             .await;
         assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{auth}");
     }
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
     let r = h
         .send(
             Request::get("/loads")
@@ -469,6 +481,7 @@ async fn bearer_auth() {
 #[tokio::test]
 async fn policy_class_header_passes_through() {
     let h = Harness::new();
+    h.worker(1, "").await;
     for (value, expected) in [
         (Some("  premium  "), Some("premium")),
         (Some("   "), None),
@@ -485,11 +498,11 @@ async fn policy_class_header_passes_through() {
             )
             .await;
         assert_eq!(r.status, StatusCode::OK);
-        let calls = h.fake.calls();
+        let calls = h.calls();
         let Some(Call::Select(req)) = calls.last() else {
             panic!("{calls:?}")
         };
-        assert_eq!(req.options.policy_class.as_deref(), expected);
+        assert_eq!(req.policy_class.as_deref(), expected);
     }
     let r = h
         .send(
@@ -503,16 +516,18 @@ async fn policy_class_header_passes_through() {
         )
         .await;
     assert_eq!(r.status, StatusCode::OK);
-    let calls = h.fake.calls();
+    let calls = h.calls();
     let Some(Call::SelectAndReserve(req)) = calls.last() else {
         panic!("{calls:?}")
     };
-    assert_eq!(req.options.policy_class.as_deref(), Some("batch"));
+    assert_eq!(req.policy_class.as_deref(), Some("batch"));
 }
 
 #[tokio::test]
 async fn output_block_validates_decay_first() {
     let h = Harness::new();
+    h.worker(1, "").await;
+    h.reservation("res-1").await;
     for body in [r#"{"decay_fraction":-0.5}"#, r#"{"decay_fraction":1.5}"#] {
         let r = h
             .json(Method::POST, "/reservations/nope/output_block", body)
@@ -523,7 +538,7 @@ async fn output_block_validates_decay_first() {
             r#"{"error":"decay_fraction must be between 0.0 and 1.0"}"#
         );
     }
-    assert!(h.fake.calls().is_empty());
+    assert!(h.calls().is_empty());
     for body in [
         "{}",
         r#"{"decay_fraction":0.5}"#,
@@ -542,7 +557,7 @@ async fn output_block_validates_decay_first() {
         .bare(Method::POST, "/reservations/res-1/output_block")
         .await;
     assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
-    let calls = h.fake.calls();
+    let calls = h.calls();
     assert!(
         matches!(&calls[1], Call::Output(id, req) if id == "res-1" && req.decay_fraction == Some(0.5))
     );
@@ -559,7 +574,7 @@ async fn queries_are_decoded() {
         .bare(Method::GET, "/loads?model_name=default&routing_group=a+b")
         .await;
     assert_eq!(r.status, StatusCode::OK);
-    let calls = h.fake.calls();
+    let calls = h.calls();
     assert!(matches!(&calls[0], Call::List(q)
         if q.model_name.as_deref() == Some("llama 3") && q.routing_group.is_none()));
     assert!(matches!(&calls[1], Call::Loads(q)
@@ -569,6 +584,7 @@ async fn queries_are_decoded() {
 #[tokio::test]
 async fn errors_use_the_envelope() {
     let h = Harness::new();
+    h.worker(1, "").await;
     let r = h
         .json(
             Method::POST,
@@ -581,13 +597,20 @@ async fn errors_use_the_envelope() {
         r.body,
         r#"{"error":"no schedulable workers for model=nope routing_group=default"}"#
     );
-    let r = h
+    let (q, queued) = queue_over_its_limit().await;
+    let r = q
         .json(
             Method::POST,
             "/select",
             r#"{"selection_id":"queue","token_ids":[1]}"#,
         )
         .await;
+    q.setup(Method::DELETE, "/reservations/busy", "").await;
+    let admitted = tokio::time::timeout(Duration::from_secs(10), queued)
+        .await
+        .expect("the queued selection is admitted once the rank is free")
+        .expect("no panic");
+    assert_eq!(admitted.status(), StatusCode::OK);
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(
         r.json(),
@@ -596,7 +619,7 @@ async fn errors_use_the_envelope() {
             "details": {"policy_class": "batch", "limit_kind": "raw_isl_tokens", "current": 100, "limit": 64}
         })
     );
-    // prompt rules applied by the backend via the dto helpers (transcript steps 50, 53, 54)
+    // prompt rules applied by the service (transcript steps 50, 53, 54)
     for (body, msg) in [
         ("{}", "block_hashes is required without token_ids"),
         (
@@ -619,6 +642,58 @@ async fn errors_use_the_envelope() {
     assert_eq!(r.body, r#"{"error":"reservation nope not found"}"#);
 }
 
+/// A service whose only policy class, `batch`, queues behind a busy rank (over 1 active
+/// prefill token) up to 64 raw ISL tokens per worker, with one worker, busy (`busy` booked),
+/// and a 100-token selection waiting: the queue is over its limit.
+async fn queue_over_its_limit() -> (
+    Harness,
+    tokio::task::JoinHandle<select_server::HttpResponse>,
+) {
+    let policy = std::env::temp_dir().join(format!(
+        "kv-select-it-queue-{}-{}.yaml",
+        std::process::id(),
+        testkit::free_port()
+    ));
+    std::fs::write(
+        &policy,
+        "classes: [{name: batch, prefill_busy_threshold: 1, \
+         raw_isl_token_queue_limit_per_worker: 64}]\n",
+    )
+    .expect("write the policy file");
+    let path = policy.to_str().expect("UTF-8 temp path");
+    let q = Harness::with_service(
+        service(
+            &["--router-policy-config", path],
+            &[("DYN_ROUTER_USE_KV_EVENTS", "false")],
+        ),
+        EdgeOptions::default(),
+    );
+    let _ = std::fs::remove_file(&policy);
+    // A queueing class needs each rank's capacity.
+    q.worker(1, r#""max_num_batched_tokens":8192"#).await;
+    q.reservation("busy").await;
+    let tokens: Vec<u32> = (0..100).collect();
+    let body = serde_json::json!({ "token_ids": tokens }).to_string();
+    let routes = router(Arc::clone(&q.backend), EdgeOptions::default());
+    let queued = tokio::spawn(async move {
+        let req = Request::post("/select")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .expect("request");
+        routes.oneshot(req).await.expect("infallible")
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let loads = q.setup(Method::GET, "/loads", "").await.json();
+        if loads[0]["pending_count"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never queued: {loads}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (q, queued)
+}
+
 #[tokio::test]
 async fn metrics_are_text() {
     let h = Harness::new();
@@ -629,5 +704,9 @@ async fn metrics_are_text() {
         "{}",
         r.content_type
     );
-    assert!(r.body.contains("kv_select_up 1"));
+    assert!(
+        r.body.contains("\nkv_select_selections_total 0\n"),
+        "{}",
+        r.body
+    );
 }

@@ -7,7 +7,7 @@ use select_server::{BodyLimits, EdgeOptions, read_workers_file, router, serve};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::fake::Fake;
+use crate::harness::Harness;
 
 async fn roundtrip(addr: std::net::SocketAddr, request: &str) -> String {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
@@ -27,7 +27,7 @@ async fn roundtrip(addr: std::net::SocketAddr, request: &str) -> String {
 async fn serves_http1_on_loopback() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let fake = Arc::new(Fake::default());
+    let backend = Arc::clone(&Harness::new().backend);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let options = EdgeOptions {
         limits: BodyLimits {
@@ -38,7 +38,7 @@ async fn serves_http1_on_loopback() {
     };
     let server = tokio::spawn(serve(
         listener,
-        router(Arc::clone(&fake), options),
+        router(Arc::clone(&backend), options),
         Duration::from_millis(300),
         async {
             let _ = stopped.await;
@@ -133,7 +133,7 @@ async fn serves_http1_on_loopback() {
         .expect("server stops")
         .expect("no panic")
         .expect("no io error");
-    assert_eq!(fake.calls().len(), 1);
+    assert_eq!(backend.calls().len(), 1);
 }
 
 #[test]
@@ -213,7 +213,7 @@ fn workers_file_may_be_a_yaml_list_by_extension() {
 async fn serves_connections_on_its_own_threads() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let routes = router(Arc::new(Fake::default()), EdgeOptions::default());
+    let routes = router(Arc::clone(&Harness::new().backend), EdgeOptions::default());
     let threads = select_server::HttpThreads::start(
         std::num::NonZeroUsize::new(2).expect("2 > 0"),
         routes,

@@ -2,34 +2,95 @@
 //! contents as the backend receives them.
 
 use http::{Method, StatusCode};
-use select_server::dto::{
-    KvFetchPayload, KvHint, KvHintAction, Lifecycle, PromptForm, SelectionResponse, WorkerRecord,
-    WorkerRequest,
-};
+use select_server::EdgeOptions;
+use select_server::dto::{KvFetchPayload, KvHint, KvHintAction, Lifecycle, SelectionResponse};
 
-use crate::fake::{
-    Call, DUMP_35, Harness, LOADS_20, OVERLAP_34, POTENTIAL_33, RESERVATION_12, SELECT_10,
-    SELECT_AND_RESERVE_19, WORKER_4,
-};
+use crate::harness::{Call, Harness, service};
+
+/// Transcript step 10.
+pub(crate) const SELECT_10: &str = r#"{"model_name":"default","routing_group":"default","worker_id":4,"dp_rank":1,"endpoint":"http://127.0.0.1:18004","block_size":16,"overlap":{"longest_matched":0,"gpu":0,"dp":{"0":0,"1":0},"cpu":0,"disk":0},"effective_prefill_tokens":64,"potential_decode_blocks":4}"#;
+
+/// Transcript step 19.
+pub(crate) const SELECT_AND_RESERVE_19: &str = r#"{"selection_id":"res-1","sequence_hashes":[-3136036677815684470,-4677586368451018952,-6566916317599637088,3888788807566526800,-4512470630039072904,1640577095020996090,-2262763814742251701,-7635597435236928966,-7606495857650227837,-3257353688242210898,-6993314349847459801,-4280837321439328085,3942083316725386419,-459278420858620479,1652450701772669203,1854667030271987280],"isl_tokens":256,"track_prefill_tokens":true,"model_name":"default","routing_group":"default","worker_id":1,"dp_rank":0,"endpoint":"http://127.0.0.1:18001","block_size":16,"overlap":{"longest_matched":0,"gpu":0,"dp":{"0":0},"cpu":0,"disk":0},"effective_prefill_tokens":256,"potential_decode_blocks":16}"#;
+
+/// Transcript step 12.
+pub(crate) const RESERVATION_12: &str = r#"{"selection_id":"sel-1","model_name":"default","routing_group":"default","worker_id":5,"dp_rank":0,"endpoint":"http://127.0.0.1:18005"}"#;
+
+/// Transcript step 4.
+pub(crate) const WORKER_4: &str = r#"{"worker_id":2,"model_name":"default","routing_group":"default","lifecycle":"incomplete","endpoint":"http://127.0.0.1:18002","kv_events_endpoint":null,"replay_endpoint":null,"block_size":16,"data_parallel_start_rank":null,"data_parallel_size":null,"max_num_batched_tokens":null,"total_kv_blocks":null,"stable_routing_id":null,"is_eagle":null,"taints":[],"topology_domains":{},"kv_transfer_domain":null,"kv_transfer_enforcement":null,"kv_transfer_preferred_weight":null,"not_schedulable_reasons":["kv_events endpoint is required for dp_rank 0"]}"#;
+
+/// Transcript step 20.
+pub(crate) const LOADS_20: &str = r#"[{"model_name":"default","routing_group":"default","loads":[{"worker_id":4,"dp_rank":0,"potential_prefill_tokens":0,"potential_decode_blocks":0,"active_requests":0},{"worker_id":1,"dp_rank":0,"potential_prefill_tokens":256,"potential_decode_blocks":16,"active_requests":1},{"worker_id":4,"dp_rank":1,"potential_prefill_tokens":0,"potential_decode_blocks":0,"active_requests":0},{"worker_id":5,"dp_rank":0,"potential_prefill_tokens":64,"potential_decode_blocks":4,"active_requests":1}],"pending_count":0,"pending_isl_tokens":0}]"#;
+
+/// Transcript step 33.
+pub(crate) const POTENTIAL_33: &str = r#"[{"worker_id":4,"dp_rank":0,"potential_prefill_tokens":64,"potential_decode_blocks":4,"active_requests":0},{"worker_id":1,"dp_rank":0,"potential_prefill_tokens":128,"potential_decode_blocks":4,"active_requests":1},{"worker_id":4,"dp_rank":1,"potential_prefill_tokens":64,"potential_decode_blocks":4,"active_requests":0},{"worker_id":5,"dp_rank":0,"potential_prefill_tokens":192,"potential_decode_blocks":8,"active_requests":2}]"#;
+
+/// Transcript step 34.
+pub(crate) const OVERLAP_34: &str = r#"{"block_size":16,"num_blocks":4,"workers":[{"worker_id":1,"dp_rank":0,"device_blocks":0,"host_pinned_blocks":0,"disk_blocks":0,"host_pinned_extension_blocks":0,"disk_extension_blocks":0,"shared_beyond_device_blocks":null},{"worker_id":4,"dp_rank":0,"device_blocks":0,"host_pinned_blocks":0,"disk_blocks":0,"host_pinned_extension_blocks":0,"disk_extension_blocks":0,"shared_beyond_device_blocks":null},{"worker_id":4,"dp_rank":1,"device_blocks":0,"host_pinned_blocks":0,"disk_blocks":0,"host_pinned_extension_blocks":0,"disk_extension_blocks":0,"shared_beyond_device_blocks":null},{"worker_id":5,"dp_rank":0,"device_blocks":0,"host_pinned_blocks":0,"disk_blocks":0,"host_pinned_extension_blocks":0,"disk_extension_blocks":0,"shared_beyond_device_blocks":null}],"shared_cache":{"enabled":false,"total_hit_blocks":0,"ranges":[],"error":null}}"#;
+
+/// Transcript step 35.
+pub(crate) const DUMP_35: &str = r#"{"default:default":{"block_size":16,"events":[]}}"#;
 
 const TOKENS_64: &str = "[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63]";
 
+/// The transcript's workers 1, 4 and 5 (steps 3, 6, 7) with KV events on; nobody publishes
+/// on their event endpoints.
+async fn transcript_workers(h: &Harness) {
+    let events = || format!("tcp://127.0.0.1:{}", testkit::free_port());
+    for body in [
+        serde_json::json!({"worker_id":1,"endpoint":"http://127.0.0.1:18001","block_size":16,
+            "data_parallel_start_rank":0,"data_parallel_size":1,
+            "kv_events_endpoints":{"0":events()}}),
+        serde_json::json!({"worker_id":4,"endpoint":"http://127.0.0.1:18004","block_size":16,
+            "data_parallel_start_rank":0,"data_parallel_size":2,"max_num_batched_tokens":8192,
+            "total_kv_blocks":4096,"kv_events_endpoints":{"0":events(),"1":events()}}),
+        serde_json::json!({"worker_id":5,"endpoint":"http://127.0.0.1:18005","block_size":16,
+            "kv_events_endpoint":events()}),
+    ] {
+        h.setup(Method::POST, "/workers", &body.to_string()).await;
+    }
+}
+
+/// Flat JSON rows `{...},{...}` of the reference, in the service's order (by worker and
+/// rank; the reference's follows its hash map), each row's bytes untouched.
+fn in_our_row_order(rows: &str) -> String {
+    let inner = &rows[1..rows.len() - 1];
+    let mut rows: Vec<String> = inner.split("},{").map(|r| format!("{{{r}}}")).collect();
+    rows.sort_by_key(|r| {
+        let v: serde_json::Value = serde_json::from_str(r).expect("golden row");
+        (v["worker_id"].as_u64(), v["dp_rank"].as_u64())
+    });
+    rows.join(",")
+}
+
+/// The transcript's steps 4, 10, 12, 19, 20 and 33-35 in process. Where the reference chose
+/// among equal-cost workers at random, the request pins the worker it chose; rows of loads
+/// are compared in the service's order.
 #[tokio::test]
 async fn golden_bodies_are_byte_exact() {
-    let h = Harness::new();
+    let h = Harness::with_service(service(&[], &[]), EdgeOptions::default());
+    transcript_workers(&h).await;
+    let pin = |w: u32, r: u32| format!(r#""pinned_worker":{{"worker_id":{w},"dp_rank":{r}}}"#);
     let body = format!(r#"{{"token_ids":{TOKENS_64}}}"#);
-    let r = h.json(Method::POST, "/select", body.clone()).await;
+    let r = h
+        .json(
+            Method::POST,
+            "/select",
+            format!(r#"{{"token_ids":{TOKENS_64},{}}}"#, pin(4, 1)),
+        )
+        .await;
     assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, SELECT_10));
     assert_eq!(r.content_type, "application/json");
 
-    let r = h
-        .json(Method::POST, "/select_and_reserve", body.clone())
-        .await;
-    assert_eq!(
-        (r.status, r.body.as_str()),
-        (StatusCode::OK, SELECT_AND_RESERVE_19)
-    );
-
+    h.setup(
+        Method::POST,
+        "/select",
+        &format!(
+            r#"{{"selection_id":"sel-1","token_ids":{TOKENS_64},{}}}"#,
+            pin(5, 0)
+        ),
+    )
+    .await;
     let r = h
         .json(Method::POST, "/reservations", r#"{"selection_id":"sel-1"}"#)
         .await;
@@ -38,23 +99,76 @@ async fn golden_bodies_are_byte_exact() {
         (StatusCode::CREATED, RESERVATION_12)
     );
 
-    let r = h.bare(Method::GET, "/workers").await;
+    let tokens_256: Vec<u32> = (0..256).collect();
+    let r = h
+        .json(
+            Method::POST,
+            "/select_and_reserve",
+            format!(
+                r#"{{"selection_id":"res-1","token_ids":{},"expected_output_tokens":32,{}}}"#,
+                serde_json::to_string(&tokens_256).expect("JSON"),
+                pin(1, 0)
+            ),
+        )
+        .await;
     assert_eq!(
         (r.status, r.body.as_str()),
-        (StatusCode::OK, format!("[{WORKER_4}]").as_str())
+        (StatusCode::OK, SELECT_AND_RESERVE_19)
     );
 
     let r = h.bare(Method::GET, "/loads").await;
-    assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, LOADS_20));
+    let (head, rest) = LOADS_20.split_once("\"loads\":[").expect("golden loads");
+    let (rows, tail) = rest.split_once("],").expect("golden loads");
+    let loads_20 = format!("{head}\"loads\":[{}],{tail}", in_our_row_order(rows));
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (StatusCode::OK, loads_20.as_str())
+    );
+
+    // Steps 26, 29 and 30: res-1 freed, one 64-token booking each on workers 1 and 5.
+    h.setup(Method::DELETE, "/reservations/res-1", "").await;
+    h.setup(
+        Method::POST,
+        "/select_and_reserve",
+        &format!(r#"{{"token_ids":{TOKENS_64},{}}}"#, pin(1, 0)),
+    )
+    .await;
+    h.setup(
+        Method::POST,
+        "/reservations",
+        r#"{"selection_id":"explicit-1","worker_id":5,"dp_rank":0,"sequence_hashes":[21,22,23,24],"isl_tokens":64,"effective_prefill_tokens":64,"track_prefill_tokens":true}"#,
+    )
+    .await;
 
     let r = h.json(Method::POST, "/potential_loads", body.clone()).await;
-    assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, POTENTIAL_33));
+    let potential_33 = format!(
+        "[{}]",
+        in_our_row_order(&POTENTIAL_33[1..POTENTIAL_33.len() - 1])
+    );
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (StatusCode::OK, potential_33.as_str())
+    );
 
     let r = h.json(Method::POST, "/overlap_scores", body).await;
     assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, OVERLAP_34));
 
     let r = h.bare(Method::GET, "/dump").await;
     assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, DUMP_35));
+
+    // Step 4 (and 8 with only that worker): no KV events endpoint, so incomplete.
+    let h = Harness::with_service(service(&[], &[]), EdgeOptions::default());
+    h.setup(
+        Method::POST,
+        "/workers",
+        r#"{"worker_id":2,"endpoint":"http://127.0.0.1:18002","block_size":16}"#,
+    )
+    .await;
+    let r = h.bare(Method::GET, "/workers").await;
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (StatusCode::OK, format!("[{WORKER_4}]").as_str())
+    );
 }
 
 #[tokio::test]
@@ -88,27 +202,39 @@ async fn worker_upsert_echoes_the_record() {
     );
 }
 
-#[test]
-fn worker_record_omitted_when_rules() {
-    let req: WorkerRequest = serde_json::from_str(
-        r#"{"worker_id":7,"taints":["b","a","a"],"router_hint_worker_type":"decode",
+#[tokio::test]
+async fn worker_record_omitted_when_rules() {
+    let h = Harness::new();
+    let r = h
+        .json(
+            Method::POST,
+            "/workers",
+            r#"{"worker_id":7,"taints":["b","a","a"],"router_hint_worker_type":"decode",
             "router_hint_source_control_endpoints":{"1":"tcp://h:2"},"kv_event_source_mode":"state_agent_v2",
             "kv_transfer_enforcement":"preferred","kv_transfer_preferred_weight":0.5,
             "topology_domains":{"rack":"r1"}}"#,
-    )
-    .unwrap();
-    let rec = WorkerRecord::from_request(req, Lifecycle::Draining, vec!["x".to_owned()]);
-    let v = serde_json::to_value(&rec).unwrap();
-    assert_eq!(v["lifecycle"], "draining");
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["lifecycle"], "incomplete");
     assert_eq!(v["taints"], serde_json::json!(["a", "b"]));
     assert_eq!(v["router_hint_worker_type"], "decode");
     assert_eq!(v["router_hint_source_control_endpoints"]["1"], "tcp://h:2");
     assert_eq!(v["kv_event_source_mode"], "state_agent_v2");
     assert_eq!(v["kv_transfer_enforcement"], "preferred");
-    assert_eq!(v["not_schedulable_reasons"], serde_json::json!(["x"]));
+    assert_eq!(
+        v["not_schedulable_reasons"],
+        serde_json::json!(["endpoint is required", "block_size must be greater than 0"])
+    );
     assert_eq!(v["model_name"], "default");
     assert!(v.get("kv_events_endpoints").is_none());
     assert!(v["data_parallel_size"].is_null());
+    // The service never reports `draining` today; the rendering is the contract's all the same.
+    assert_eq!(
+        serde_json::to_value(Lifecycle::Draining).expect("JSON"),
+        "draining"
+    );
 }
 
 #[test]
@@ -162,7 +288,7 @@ async fn ready_status_follows_the_body() {
         r.body,
         r#"{"ready":false,"schedulable_workers":0,"workers":[]}"#
     );
-    *h.fake.ready.lock() = true;
+    h.worker(1, "").await;
     let r = h.bare(Method::GET, "/ready").await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.json()["ready"], true);
@@ -170,7 +296,14 @@ async fn ready_status_follows_the_body() {
 
 #[tokio::test]
 async fn replica_peer_routes() {
-    let h = Harness::new();
+    let port = testkit::free_port().to_string();
+    let h = Harness::with_service(
+        service(
+            &["--host", "127.0.0.1", "--replica-sync-port", &port],
+            &[("DYN_ROUTER_USE_KV_EVENTS", "false")],
+        ),
+        EdgeOptions::default(),
+    );
     let r = h.bare(Method::GET, "/replica_sync/peers").await;
     assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, "[]"));
     let body = r#"{"endpoint":"tcp://127.0.0.1:19999"}"#;
@@ -219,6 +352,8 @@ async fn replica_peer_routes() {
 #[tokio::test]
 async fn lifecycle_routes_answer_status_ok() {
     let h = Harness::new();
+    h.worker(1, "").await;
+    h.reservation("res-1").await;
     let r = h
         .bare(Method::POST, "/reservations/res-1/prefill_complete")
         .await;
@@ -236,6 +371,14 @@ async fn lifecycle_routes_answer_status_ok() {
 #[tokio::test]
 async fn request_dtos_reach_the_backend_as_typed_values() {
     let h = Harness::new();
+    h.worker(5, r#""model_name":"llama","taints":["gpu"]"#)
+        .await;
+    h.worker(
+        7,
+        r#""model_name":"llama","taints":["gpu"],"data_parallel_size":2"#,
+    )
+    .await;
+    h.worker(8, r#""routing_group":"g""#).await;
     let r = h
         .json(
             Method::POST,
@@ -267,34 +410,29 @@ async fn request_dtos_reach_the_backend_as_typed_values() {
         .await;
     assert_eq!(r.status, StatusCode::OK);
 
-    let calls = h.fake.calls();
+    let calls = h.calls();
     let Call::Select(sel) = &calls[0] else {
         panic!("{calls:?}")
     };
     assert!(sel.advisory);
-    let o = &sel.options;
-    assert_eq!(o.model_name, "llama");
-    assert_eq!(o.routing_group, "default");
+    let o = sel;
+    assert_eq!(o.partition.model_name, "llama");
+    assert_eq!(o.partition.routing_group, "default");
     assert_eq!(o.selection_id.as_deref(), Some("req-43"));
     assert_eq!(o.expected_output_tokens, Some(256));
     assert_eq!(o.priority_jump, -5.0);
     assert_eq!(o.strict_priority, 0);
     assert_eq!(o.session_id.as_deref(), Some("legacy"));
     assert_eq!(
-        o.session_context.as_ref().map(|c| c.session_id.as_str()),
+        o.session_context.as_ref().map(|c| c.session_id()),
         Some("chat-1")
     );
     assert!(o.affinity_target.is_none() && o.pinned_worker.is_none());
     assert_eq!(o.allowed_worker_ids.as_ref().map(|s| s.len()), Some(2));
-    assert!(o.routing_constraints.required_taints.contains("gpu"));
-    assert_eq!(
-        sel.prompt.selection_form().unwrap(),
-        PromptForm::Hashes {
-            block_hashes: Some(&[11, 12]),
-            sequence_hashes: &[21, u64::MAX - 21],
-            isl_tokens: 40,
-        }
-    );
+    assert!(o.required_taints.iter().any(|t| t == "gpu"));
+    assert_eq!(sel.prompt.block_hashes, Some(vec![11, 12]));
+    assert_eq!(sel.prompt.sequence_hashes, Some(vec![21, u64::MAX - 21]));
+    assert_eq!(sel.prompt.isl_tokens, Some(40));
 
     let Call::Reserve(res) = &calls[1] else {
         panic!("{calls:?}")
@@ -302,19 +440,17 @@ async fn request_dtos_reach_the_backend_as_typed_values() {
     assert_eq!(res.worker_id, Some(7));
     assert_eq!(res.dp_rank, Some(1));
     assert_eq!(res.effective_prefill_tokens, Some(8));
-    assert_eq!(res.prompt.reservation_form().unwrap().isl(), 40);
+    assert_eq!(res.prompt.isl_tokens, Some(40));
 
     let Call::Overlap(q) = &calls[2] else {
         panic!("{calls:?}")
     };
     assert_eq!(
-        (q.model_name.as_str(), q.routing_group.as_str()),
+        (
+            q.partition.model_name.as_str(),
+            q.partition.routing_group.as_str()
+        ),
         ("default", "g")
     );
-    assert_eq!(
-        q.router_config_override
-            .as_ref()
-            .and_then(|o| o.assume_kv_reuse),
-        Some(false)
-    );
+    assert_eq!(q.router_config_override.assume_kv_reuse, Some(false));
 }

@@ -537,14 +537,21 @@ fn inproc_endpoints_cannot_take_a_listeners_connection_monitor() {
     listener.stop();
 }
 
-#[test]
-fn malformed_messages_are_counted_and_never_stop_the_listener() {
+/// A listener of worker 4 with seq 0 (a `Cleared`) applied (watermark 0): where every
+/// drop-accounting test starts.
+fn live_after_clear() -> (zmq::Socket, Collector, KvEventListener) {
     let ctx = zmq::Context::new();
     let (publisher, ep) = bind_free(&ctx, zmq::PUB);
     let (sink, rx) = Collector::new();
     let listener =
         KvEventListener::start(ListenerConfig::new(WorkerKey::new(4, 0), ep, 4), sink).unwrap();
     rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    (publisher, rx, listener)
+}
+
+#[test]
+fn malformed_messages_are_counted_and_never_stop_the_listener() {
+    let (publisher, rx, listener) = live_after_clear();
 
     publisher
         .send_multipart([&b""[..], &1u64.to_be_bytes()[..]], 0)
@@ -590,12 +597,7 @@ fn malformed_messages_are_counted_and_never_stop_the_listener() {
 /// same seq is still applied and nothing is counted lost.
 #[test]
 fn a_map_batch_is_dropped_as_bad_shape_and_the_watermark_stays() {
-    let ctx = zmq::Context::new();
-    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
-    let (sink, rx) = Collector::new();
-    let listener =
-        KvEventListener::start(ListenerConfig::new(WorkerKey::new(4, 0), ep, 4), sink).unwrap();
-    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    let (publisher, rx, listener) = live_after_clear();
     let map_batch = encode(&Value::Map(vec![
         (Value::from("ts"), Value::F64(1.0)),
         (
@@ -624,12 +626,7 @@ fn a_map_batch_is_dropped_as_bad_shape_and_the_watermark_stays() {
 /// `kv_batches_lost` counted them once per report (1 + 2 + 3 = 6 for three bad batches).
 #[test]
 fn undecodable_batches_are_dropped_not_lost_and_real_gaps_count_once() {
-    let ctx = zmq::Context::new();
-    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
-    let (sink, rx) = Collector::new();
-    let listener =
-        KvEventListener::start(ListenerConfig::new(WorkerKey::new(4, 0), ep, 4), sink).unwrap();
-    rx.publish_until_delivered(&publisher, 0, &batch(vec![cleared()]));
+    let (publisher, rx, listener) = live_after_clear();
     for seq in 1..=3 {
         publish(&publisher, seq, b"\x93\x01\xdd\xff\xff\xff\xff");
     }
