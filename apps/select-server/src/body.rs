@@ -304,11 +304,6 @@ fn classify(e: &serde_json::Error, path: &str) -> ApiError {
 
 /// Linear scan enforcing nesting depth and array length. It only has to be right on valid
 /// JSON; on invalid JSON whatever it reports is still a 4xx and serde reports the rest.
-/// Whether the body passes the depth and array-length bounds.
-pub(crate) fn within_bounds(bytes: &[u8], limits: &BodyLimits) -> bool {
-    check_bounds(bytes, limits).is_ok()
-}
-
 fn check_bounds(bytes: &[u8], limits: &BodyLimits) -> Result<(), ApiError> {
     if trivially_within_bounds(bytes, limits) {
         return Ok(());

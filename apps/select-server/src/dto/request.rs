@@ -220,10 +220,13 @@ impl WireSelection {
     /// [`crate::tokens`], the small rest by serde without path tracking. `None` whenever
     /// either declines; the caller then parses the whole body the exact way.
     pub(crate) fn parse_fast(bytes: &[u8], limits: &crate::BodyLimits) -> Option<Self> {
-        if !crate::body::within_bounds(bytes, limits) {
+        let (tokens, rest) = crate::tokens::split_token_ids(bytes)?;
+        // The bounds of the whole body, without scanning its ids again: `try_parse_json`
+        // bounds `rest`, and the cut-out array is one more container, one level below the
+        // body object, whose elements are the ids.
+        if tokens.len() > limits.max_array_len || limits.max_json_depth < 2 {
             return None;
         }
-        let (tokens, rest) = crate::tokens::split_token_ids(bytes)?;
         let mut wire: Self = crate::body::try_parse_json(&rest, limits)?;
         wire.token_ids = Some(tokens);
         Some(wire)
@@ -403,6 +406,37 @@ mod tests {
     fn request(json: &str) -> SelectRequest {
         let w: WireSelection = serde_json::from_str(json).unwrap();
         w.into_request(None, true).unwrap()
+    }
+
+    /// The fast path bounds the cut-out id array itself (the rest is bounded by
+    /// `try_parse_json`): at every edge of the length and depth limits it accepts exactly
+    /// what the exact parse accepts.
+    #[test]
+    fn the_fast_path_keeps_the_body_bounds() {
+        let bodies = [
+            r#"{"token_ids":[1,2,3]}"#,
+            r#"{"token_ids":[1,2,3,4]}"#,
+            r#"{"token_ids":[1,2],"allowed_worker_ids":[1,2,3,4]}"#,
+            r#"{"token_ids":[1],"session_context":{"session_id":"s","agent_headers":{"a":["b"]}}}"#,
+        ];
+        for (max_array_len, max_json_depth) in
+            [(3, 32), (4, 32), (2, 32), (8, 1), (8, 2), (8, 3), (8, 4)]
+        {
+            let limits = crate::BodyLimits {
+                max_array_len,
+                max_json_depth,
+                ..crate::BodyLimits::default()
+            };
+            for body in bodies {
+                let exact = crate::body::parse_json::<WireSelection>(body.as_bytes(), &limits);
+                let fast = WireSelection::parse_fast(body.as_bytes(), &limits);
+                assert_eq!(
+                    fast.is_some(),
+                    exact.is_ok(),
+                    "{body} with max_array_len {max_array_len}, max_json_depth {max_json_depth}"
+                );
+            }
+        }
     }
 
     #[test]
