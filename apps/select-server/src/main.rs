@@ -82,6 +82,7 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
                 metrics,
                 ext_proc::PickerConfig {
                     routing_group_header: settings.routing_group_header.clone(),
+                    fallbacks: settings.fallbacks,
                     ..ext_proc::PickerConfig::default()
                 },
             )))

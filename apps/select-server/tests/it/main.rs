@@ -5,6 +5,7 @@ mod auth;
 mod binary;
 mod bounds;
 mod ext_proc;
+mod ext_proc_fallbacks;
 mod ext_proc_kv;
 mod fake;
 mod faults;
