@@ -57,7 +57,7 @@ impl Server {
 
     /// Registers workers 1 and 2 at 127.0.0.1:9001 and 127.0.0.1:9002 (the second without a
     /// scheme), block size 4.
-    fn register_pair(&self) {
+    pub(crate) fn register_pair(&self) {
         for (id, ep) in [(1, "http://127.0.0.1:9001"), (2, "127.0.0.1:9002")] {
             let (status, body) = call(
                 self.port,
@@ -287,7 +287,7 @@ pub(crate) fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-const BODY: &str = r#"{"model":"default","prompt":[1,2,3,4,5,6,7,8,9,10,11,12]}"#;
+pub(crate) const BODY: &str = r#"{"model":"default","prompt":[1,2,3,4,5,6,7,8,9,10,11,12]}"#;
 
 #[test]
 fn a_duplex_stream_picks_passes_the_body_on_and_frees_at_the_end_of_the_response() {
