@@ -215,7 +215,7 @@ pub(crate) fn body(bytes: &[u8], eos: bool) -> ProcessingRequest {
     }
 }
 
-fn response_headers(served: Option<&str>) -> ProcessingRequest {
+pub(crate) fn response_headers(served: Option<&str>) -> ProcessingRequest {
     let metadata_context = served.map(|s| {
         let mut ns = Struct::default();
         ns.fields.insert(
@@ -237,7 +237,7 @@ fn response_headers(served: Option<&str>) -> ProcessingRequest {
     }
 }
 
-fn response_body(eos: bool) -> ProcessingRequest {
+pub(crate) fn response_body(eos: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(processing_request::Request::ResponseBody(HttpBody {
             body: b"data".to_vec(),
@@ -459,4 +459,9 @@ fn subset_hints_cancellations_moves_and_health() {
             .wait_idle("cancelled streams free their bookings")
             .await;
     });
+    let metrics = server.metrics();
+    assert!(
+        metrics.contains("kv_select_ext_proc_stream_events_total{event=\"moved\"} 1\n"),
+        "{metrics}"
+    );
 }
