@@ -101,6 +101,22 @@ impl Picker {
         &self.service
     }
 
+    /// The models of the catalog's workers that have no tokenizer, sorted, each once: their
+    /// text and chat prompts are routed by load only (the host names them at startup).
+    pub fn models_without_tokenizer(&self) -> Vec<String> {
+        let mut models: Vec<String> = self
+            .service
+            .core()
+            .list_workers(None, None)
+            .into_iter()
+            .map(|r| r.worker.model_name)
+            .filter(|m| self.tokenizers.get(m).is_none())
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        models
+    }
+
     fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
         headers
             .iter()

@@ -43,12 +43,25 @@ impl Server {
 
     /// The binary with `--ext-proc-port` and `extra` arguments.
     pub(crate) fn start_with(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Self::start_logging(extra, env, None)
+    }
+
+    /// [`Server::start_with`], its stderr (warnings and errors) written to `log` if given.
+    pub(crate) fn start_logging(
+        extra: &[&str],
+        env: &[(&str, &str)],
+        log: Option<&std::path::Path>,
+    ) -> Server {
         for _ in 0..5 {
             let (port, grpc) = (free_port(), free_port());
             let grpc_arg = grpc.to_string();
             let mut args = vec!["--ext-proc-port", &grpc_arg];
             args.extend_from_slice(extra);
-            if let Some(child) = spawn_server(port, &args, env, Stdio::null()) {
+            let stderr = match log {
+                Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+                None => Stdio::null(),
+            };
+            if let Some(child) = spawn_server(port, &args, env, stderr) {
                 return Server { child, port, grpc };
             }
         }

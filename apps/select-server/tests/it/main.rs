@@ -8,6 +8,7 @@ mod ext_proc;
 mod ext_proc_fallbacks;
 mod ext_proc_kv;
 mod ext_proc_metrics;
+mod ext_proc_startup;
 mod ext_proc_tls;
 mod fake;
 mod faults;
