@@ -69,6 +69,20 @@ async fn pick(
     (s, chosen)
 }
 
+/// A PUB socket standing in for an engine, bound on a free loopback port (retried: the
+/// port can be taken between choosing and binding it).
+fn bound_publisher(ctx: &zmq::Context) -> (zmq::Socket, u16) {
+    let socket = ctx.socket(zmq::PUB).unwrap();
+    socket.set_linger(0).unwrap();
+    for _ in 0..20 {
+        let port = free_port();
+        if socket.bind(&format!("tcp://127.0.0.1:{port}")).is_ok() {
+            return (socket, port);
+        }
+    }
+    panic!("no loopback port could be bound for a publisher");
+}
+
 /// Engine block hashes `/dump` holds for `worker_id` in the chat model's partition.
 fn dumped_blocks(port: u16, worker_id: u64) -> Vec<u64> {
     let (_, dump) = call(port, "GET", "/dump", None);
@@ -141,17 +155,16 @@ fn a_chat_starting_with_a_workers_stored_prefix_is_routed_to_it_and_another_by_l
     );
 
     let ctx = zmq::Context::new();
-    let publisher = ctx.socket(zmq::PUB).unwrap();
-    publisher.set_linger(0).unwrap();
-    let zport = free_port();
-    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let (publisher, zport) = bound_publisher(&ctx);
+    // Worker 2's engine publishes nothing, but its socket is bound: the server's
+    // subscription never dangles on a port another test may bind meanwhile.
+    let (_idle, idle_port) = bound_publisher(&ctx);
 
     let tokenizer_arg = format!("{MODEL}={}", dir.0.display());
     let server = Server::start_with(&["--tokenizer", &tokenizer_arg], &[]);
-    // Worker 2's engine publishes nothing (an endpoint is required to be schedulable).
     for (id, ep, events_port) in [
         (1, "http://127.0.0.1:9001", zport),
-        (2, "127.0.0.1:9002", free_port()),
+        (2, "127.0.0.1:9002", idle_port),
     ] {
         let events = format!("tcp://127.0.0.1:{events_port}");
         let (status, body) = call(
