@@ -224,6 +224,17 @@ struct Cli {
     #[arg(long, default_value = "x-kv-select-routing-group", value_name = "NAME")]
     ext_proc_routing_group_header: String,
 
+    /// How many fallback endpoints follow the pick in `x-gateway-destination-endpoint`
+    /// (`ip:port,ip:port,...`): the next-best eligible workers, not booked. 0 sends the pick
+    /// alone.
+    #[arg(
+        long,
+        default_value = "0",
+        requires = "ext_proc_port",
+        value_name = "N"
+    )]
+    ext_proc_fallbacks: usize,
+
     /// MODEL=DIR: the local tokenizer of MODEL for the endpoint picker (DIR holds
     /// tokenizer.json and tokenizer_config.json with the chat template). Repeatable. A
     /// model without one is routed by load only.
@@ -247,6 +258,8 @@ pub struct ExtProcSettings {
     /// `(cert, key)` PEM files: TLS on.
     pub tls: Option<(PathBuf, PathBuf)>,
     pub routing_group_header: String,
+    /// Fallback endpoints after the pick.
+    pub fallbacks: usize,
     /// `(model, dir)` in flag order.
     pub tokenizers: Vec<(String, PathBuf)>,
 }
@@ -524,6 +537,7 @@ impl ServerConfig {
                 .clone()
                 .zip(cli.ext_proc_tls_key.clone()),
             routing_group_header: cli.ext_proc_routing_group_header.clone(),
+            fallbacks: cli.ext_proc_fallbacks,
             tokenizers: cli.tokenizers.clone(),
         });
         Ok(Self {

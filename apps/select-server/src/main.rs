@@ -72,16 +72,13 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
             for model in tokenizers.models() {
                 tracing::info!(%model, "tokenizer loaded");
             }
-            tracing::warn!(
-                "endpoint picker: models without a --tokenizer are routed by load only \
-                 (no cache credit) unless their requests carry token ids"
-            );
             Some(Arc::new(ext_proc::Picker::new(
                 Arc::clone(backend.service()),
                 tokenizers,
                 metrics,
                 ext_proc::PickerConfig {
                     routing_group_header: settings.routing_group_header.clone(),
+                    fallbacks: settings.fallbacks,
                     ..ext_proc::PickerConfig::default()
                 },
             )))
@@ -113,6 +110,19 @@ async fn async_main(cfg: ServerConfig) -> anyhow::Result<()> {
         tokio::spawn(watcher.run(async {
             let _ = watch_stopped.await;
         }));
+    }
+
+    // Models known by now (recovered from peers, in the workers file) are named one by one;
+    // a model registered later without a tokenizer is counted in
+    // kv_select_ext_proc_load_only_picks_total{reason="no_tokenizer"}.
+    if let Some(picker) = &picker {
+        for model in picker.models_without_tokenizer() {
+            tracing::warn!(
+                %model,
+                "endpoint picker: no --tokenizer for this model; its text and chat prompts \
+                 are routed by load only (no cache credit), token-id prompts are not affected"
+            );
+        }
     }
 
     let addr = SocketAddr::new(cfg.host, cfg.port);

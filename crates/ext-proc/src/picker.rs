@@ -20,6 +20,9 @@ pub struct PickerConfig {
     pub routing_group_header: String,
     /// Request header naming the model when the body does not (absent too: `default`).
     pub model_header: String,
+    /// Endpoints sent after the pick as an ordered fallback list: the next-best eligible
+    /// workers (within the subset hint), chosen by advisory selections and not booked.
+    pub fallbacks: usize,
 }
 
 impl Default for PickerConfig {
@@ -27,6 +30,7 @@ impl Default for PickerConfig {
         Self {
             routing_group_header: "x-kv-select-routing-group".into(),
             model_header: "x-gateway-model-name".into(),
+            fallbacks: 0,
         }
     }
 }
@@ -97,6 +101,22 @@ impl Picker {
         &self.service
     }
 
+    /// The models of the catalog's workers that have no tokenizer, sorted, each once: their
+    /// text and chat prompts are routed by load only (the host names them at startup).
+    pub fn models_without_tokenizer(&self) -> Vec<String> {
+        let mut models: Vec<String> = self
+            .service
+            .core()
+            .list_workers(None, None)
+            .into_iter()
+            .map(|r| r.worker.model_name)
+            .filter(|m| self.tokenizers.get(m).is_none())
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        models
+    }
+
     fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
         headers
             .iter()
@@ -127,7 +147,13 @@ impl Picker {
         };
         let partition = PartitionKey::new(model, group);
         let allowed = match &input.subset {
-            Some(subset) => Some(self.workers_in_subset(&partition, subset)?),
+            Some(subset) => match self.workers_in_subset(&partition, subset) {
+                Ok(ids) => Some(ids),
+                Err(e) => {
+                    self.metrics.pick(PickOutcome::Unavailable);
+                    return Err(e);
+                }
+            },
             None => None,
         };
         let isl_estimate = (input.body.len() as u64 / 4).max(1);
@@ -153,12 +179,17 @@ impl Picker {
                     .await
             }
         };
-        let result = result.map_err(|e| match e {
+        let mut result = result.map_err(|e| match e {
             BookError::Pick(p) => p,
             BookError::PromptRejected => {
                 PickError::Unavailable("the service refused a load-only prompt".into())
             }
         });
+        if let Ok(booking) = &mut result
+            && self.config.fallbacks > 0
+        {
+            booking.fallbacks = self.fallbacks(booking, input.subset.is_some()).await;
+        }
         self.metrics.pick(match &result {
             Ok(_) => PickOutcome::Picked,
             Err(PickError::Unavailable(_)) => PickOutcome::Unavailable,
@@ -209,6 +240,44 @@ impl Picker {
         }
     }
 
+    /// Up to `fallbacks` endpoints after the booked one, best first: each an advisory
+    /// selection (no booking, no admission queue) over the eligible workers not yet listed,
+    /// with the booked prompt. Eligible: schedulable, in the subset hint when there is one.
+    async fn fallbacks(&self, booking: &Booking, subset: bool) -> Vec<String> {
+        let mut remaining: Vec<u64> = self
+            .service
+            .core()
+            .list_workers(
+                Some(&booking.partition.model_name),
+                Some(&booking.partition.routing_group),
+            )
+            .iter()
+            .filter(|r| r.is_schedulable() && r.worker.worker_id != booking.worker_id)
+            .filter(|r| !subset || booking.allowed.contains(&r.worker.worker_id))
+            .map(|r| r.worker.worker_id)
+            .collect();
+        let mut out: Vec<String> = Vec::new();
+        while out.len() < self.config.fallbacks && !remaining.is_empty() {
+            let req = SelectRequest {
+                partition: booking.partition.clone(),
+                prompt: booking.prompt.clone(),
+                allowed_worker_ids: Some(remaining.clone()),
+                advisory: true,
+                ..SelectRequest::default()
+            };
+            let Ok(r) = self.service.select(req).await else {
+                break;
+            };
+            remaining.retain(|&id| id != r.worker_id);
+            let address = endpoint_address(&r.endpoint);
+            // DP ranks and workers can share an address: each address once.
+            if address != booking.endpoint && !out.iter().any(|e| e == address) {
+                out.push(address.to_owned());
+            }
+        }
+        out
+    }
+
     /// Worker ids of the partition whose endpoint is in the subset hint.
     fn workers_in_subset(
         &self,
@@ -247,6 +316,7 @@ impl Picker {
     ) -> Result<Booking, BookError> {
         let has_tokens = prompt.token_ids.is_some();
         let kept = prompt.clone();
+        let allowed_ids = allowed.clone().unwrap_or_default();
         let req = SelectRequest {
             partition: partition.clone(),
             prompt,
@@ -261,6 +331,8 @@ impl Picker {
                     )));
                 };
                 Ok(Booking {
+                    allowed: allowed_ids,
+                    fallbacks: Vec::new(),
                     core: Arc::clone(self.service.core()),
                     service: Arc::clone(&self.service),
                     metrics: self.metrics.clone(),
@@ -317,6 +389,10 @@ pub struct Booking {
     prefill_done: bool,
     live: bool,
     moves: u32,
+    /// The subset hint's workers (empty without a hint).
+    allowed: Vec<u64>,
+    /// Unbooked endpoints sent after this one, best first.
+    fallbacks: Vec<String>,
 }
 
 impl Booking {
@@ -327,6 +403,22 @@ impl Booking {
 
     pub fn worker_id(&self) -> u64 {
         self.worker_id
+    }
+
+    /// The fallback endpoints sent after the booked one (`PickerConfig::fallbacks`).
+    pub fn fallbacks(&self) -> &[String] {
+        &self.fallbacks
+    }
+
+    /// The decision as sent to the gateway: the booked `ip:port`, then the fallbacks, comma
+    /// separated.
+    pub fn destination(&self) -> String {
+        let mut out = self.endpoint.clone();
+        for f in &self.fallbacks {
+            out.push(',');
+            out.push_str(f);
+        }
+        out
     }
 
     pub fn dp_rank(&self) -> u32 {

@@ -316,7 +316,7 @@ impl StreamState {
         };
         match self.picker.pick(input).await {
             Ok(booking) => {
-                let endpoint = booking.endpoint().to_owned();
+                let endpoint = booking.destination();
                 self.booking = Some(booking);
                 let common = Some(CommonResponse {
                     header_mutation: Some(destination_header(&endpoint)),

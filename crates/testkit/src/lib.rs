@@ -12,6 +12,14 @@
 //! - [`run`]: run a command and insist it succeeded, showing its output otherwise.
 //! - [`python_venv`]: the Python virtual environment the engine interop tests install the
 //!   engines' own publisher code into.
+//! - [`chat_tokenizer`]: a trained byte-level BPE `tokenizer.json` and a
+//!   `tokenizer_config.json` with a ChatML chat template, for the endpoint picker.
+
+mod chat_tokenizer;
+
+pub use chat_tokenizer::{
+    BOS, CHATML_TEMPLATE, DEFAULT_SYSTEM, IM_END, IM_START, chat_tokenizer, chatml_text,
+};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

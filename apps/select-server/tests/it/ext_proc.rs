@@ -26,22 +26,42 @@ use tonic_health::pb::health_client::HealthClient;
 
 use crate::http::{call, free_port, spawn_server};
 
-const DUPLEX: i32 = 4;
-const BUFFERED: i32 = 2;
+pub(crate) const DUPLEX: i32 = 4;
+pub(crate) const BUFFERED: i32 = 2;
 
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    port: u16,
-    grpc: u16,
+    pub(crate) port: u16,
+    pub(crate) grpc: u16,
 }
 
 impl Server {
+    /// The binary with `--ext-proc-port` and KV events off.
     fn start() -> Server {
+        Self::start_with(&[], &[("DYN_ROUTER_USE_KV_EVENTS", "false")])
+    }
+
+    /// The binary with `--ext-proc-port` and `extra` arguments.
+    pub(crate) fn start_with(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Self::start_logging(extra, env, None)
+    }
+
+    /// [`Server::start_with`], its stderr (warnings and errors) written to `log` if given.
+    pub(crate) fn start_logging(
+        extra: &[&str],
+        env: &[(&str, &str)],
+        log: Option<&std::path::Path>,
+    ) -> Server {
         for _ in 0..5 {
             let (port, grpc) = (free_port(), free_port());
-            let args = ["--ext-proc-port", &grpc.to_string()];
-            let env = [("DYN_ROUTER_USE_KV_EVENTS", "false")];
-            if let Some(child) = spawn_server(port, &args, &env, Stdio::null()) {
+            let grpc_arg = grpc.to_string();
+            let mut args = vec!["--ext-proc-port", &grpc_arg];
+            args.extend_from_slice(extra);
+            let stderr = match log {
+                Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+                None => Stdio::null(),
+            };
+            if let Some(child) = spawn_server(port, &args, env, stderr) {
                 return Server { child, port, grpc };
             }
         }
@@ -50,7 +70,7 @@ impl Server {
 
     /// Registers workers 1 and 2 at 127.0.0.1:9001 and 127.0.0.1:9002 (the second without a
     /// scheme), block size 4.
-    fn register_pair(&self) {
+    pub(crate) fn register_pair(&self) {
         for (id, ep) in [(1, "http://127.0.0.1:9001"), (2, "127.0.0.1:9002")] {
             let (status, body) = call(
                 self.port,
@@ -62,7 +82,7 @@ impl Server {
         }
     }
 
-    fn active_requests(&self) -> u64 {
+    pub(crate) fn active_requests(&self) -> u64 {
         let (_, loads) = call(self.port, "GET", "/loads", None);
         loads
             .as_array()
@@ -75,10 +95,29 @@ impl Server {
             .unwrap_or(0)
     }
 
-    async fn client(&self) -> ExternalProcessorClient<tonic::transport::Channel> {
+    /// Waits (bounded, 5 s) until no booking is active: a dropped stream's booking is freed
+    /// when the server sees the stream end, after the client's drop returns.
+    pub(crate) async fn wait_idle(&self, what: &str) {
+        for _ in 0..50 {
+            if self.active_requests() == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "{what}: {} requests still active after 5 s",
+            self.active_requests()
+        );
+    }
+
+    pub(crate) async fn client(&self) -> ExternalProcessorClient<tonic::transport::Channel> {
         ExternalProcessorClient::connect(format!("http://127.0.0.1:{}", self.grpc))
             .await
             .unwrap()
+    }
+
+    pub(crate) fn metrics(&self) -> String {
+        crate::http::raw(self.port, "GET", "/metrics", None, b"").1
     }
 }
 
@@ -90,14 +129,16 @@ impl Drop for Server {
 }
 
 /// One Envoy-side stream: messages in through a channel, answers out.
-struct Stream {
+pub(crate) struct Stream {
     tx: mpsc::Sender<ProcessingRequest>,
     rx: Streaming<ProcessingResponse>,
-    last_metadata: Option<Struct>,
+    pub(crate) last_metadata: Option<Struct>,
 }
 
 impl Stream {
-    async fn open(client: &mut ExternalProcessorClient<tonic::transport::Channel>) -> Stream {
+    pub(crate) async fn open(
+        client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    ) -> Stream {
         let (tx, rx) = mpsc::channel(16);
         let rx = client
             .process(ReceiverStream::new(rx))
@@ -111,11 +152,11 @@ impl Stream {
         }
     }
 
-    async fn send(&self, m: ProcessingRequest) {
+    pub(crate) async fn send(&self, m: ProcessingRequest) {
         self.tx.send(m).await.unwrap();
     }
 
-    async fn recv(&mut self) -> processing_response::Response {
+    pub(crate) async fn recv(&mut self) -> processing_response::Response {
         let r = tokio::time::timeout(Duration::from_secs(10), self.rx.message())
             .await
             .expect("an answer within 10 s")
@@ -126,7 +167,11 @@ impl Stream {
     }
 }
 
-fn headers(body_mode: Option<i32>, eos: bool, subset: Option<&[&str]>) -> ProcessingRequest {
+pub(crate) fn headers(
+    body_mode: Option<i32>,
+    eos: bool,
+    subset: Option<&[&str]>,
+) -> ProcessingRequest {
     let hv = |k: &str, v: &str| HeaderValue {
         key: k.into(),
         raw_value: v.as_bytes().to_vec(),
@@ -172,7 +217,7 @@ fn headers(body_mode: Option<i32>, eos: bool, subset: Option<&[&str]>) -> Proces
     }
 }
 
-fn body(bytes: &[u8], eos: bool) -> ProcessingRequest {
+pub(crate) fn body(bytes: &[u8], eos: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(processing_request::Request::RequestBody(HttpBody {
             body: bytes.to_vec(),
@@ -183,7 +228,7 @@ fn body(bytes: &[u8], eos: bool) -> ProcessingRequest {
     }
 }
 
-fn response_headers(served: Option<&str>) -> ProcessingRequest {
+pub(crate) fn response_headers(served: Option<&str>) -> ProcessingRequest {
     let metadata_context = served.map(|s| {
         let mut ns = Struct::default();
         ns.fields.insert(
@@ -205,7 +250,7 @@ fn response_headers(served: Option<&str>) -> ProcessingRequest {
     }
 }
 
-fn response_body(eos: bool) -> ProcessingRequest {
+pub(crate) fn response_body(eos: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(processing_request::Request::ResponseBody(HttpBody {
             body: b"data".to_vec(),
@@ -217,7 +262,7 @@ fn response_body(eos: bool) -> ProcessingRequest {
 }
 
 /// The destination of a headers or body answer, checked against its dynamic metadata.
-fn destination(r: &processing_response::Response, metadata: Option<&Struct>) -> String {
+pub(crate) fn destination(r: &processing_response::Response, metadata: Option<&Struct>) -> String {
     use processing_response::Response as R;
     let common = match r {
         R::RequestHeaders(h) => h.response.clone(),
@@ -240,14 +285,14 @@ fn destination(r: &processing_response::Response, metadata: Option<&Struct>) -> 
     value
 }
 
-fn immediate_status(r: &processing_response::Response) -> i32 {
+pub(crate) fn immediate_status(r: &processing_response::Response) -> i32 {
     match r {
         processing_response::Response::ImmediateResponse(i) => i.status.unwrap().code,
         other => panic!("expected an immediate response, got {other:?}"),
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -255,7 +300,7 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-const BODY: &str = r#"{"model":"default","prompt":[1,2,3,4,5,6,7,8,9,10,11,12]}"#;
+pub(crate) const BODY: &str = r#"{"model":"default","prompt":[1,2,3,4,5,6,7,8,9,10,11,12]}"#;
 
 #[test]
 fn a_duplex_stream_picks_passes_the_body_on_and_frees_at_the_end_of_the_response() {
@@ -312,7 +357,7 @@ fn a_duplex_stream_picks_passes_the_body_on_and_frees_at_the_end_of_the_response
         let again = s.recv().await;
         assert_eq!(destination(&again, s.last_metadata.as_ref()), chosen);
     });
-    let (_, metrics) = crate::http::raw(server.port, "GET", "/metrics", None, b"");
+    let metrics = server.metrics();
     assert!(
         metrics.contains("kv_select_ext_proc_picks_total{outcome=\"picked\"} 2"),
         "{metrics}"
@@ -380,17 +425,7 @@ fn subset_hints_cancellations_moves_and_health() {
                 Some(e) => assert_eq!(destination(&r, s.last_metadata.as_ref()), e),
             }
         }
-        // The picked stream's booking is freed when the server sees the dropped stream end,
-        // which happens after the client's drop returns: wait for it, bounded.
-        let mut ended = false;
-        for _ in 0..50 {
-            if server.active_requests() == 0 {
-                ended = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert!(ended, "the subset stream ended");
+        server.wait_idle("the subset stream ended").await;
 
         // The gateway served elsewhere: the booking moves to the worker it names.
         let mut s = Stream::open(&mut client).await;
@@ -433,14 +468,13 @@ fn subset_hints_cancellations_moves_and_health() {
         }
         assert!(server.active_requests() >= 20);
         drop(open);
-        let mut freed = false;
-        for _ in 0..50 {
-            if server.active_requests() == 0 {
-                freed = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert!(freed, "cancelled streams free their bookings");
+        server
+            .wait_idle("cancelled streams free their bookings")
+            .await;
     });
+    let metrics = server.metrics();
+    assert!(
+        metrics.contains("kv_select_ext_proc_stream_events_total{event=\"moved\"} 1\n"),
+        "{metrics}"
+    );
 }
