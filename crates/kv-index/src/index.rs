@@ -472,8 +472,15 @@ impl KvIndex {
         }
     }
 
-    /// Drops one worker key everywhere.
+    /// Declares (`Some`) or withdraws (`None`) the device-tier capacity of `worker` in
+    /// blocks ([`PrefixIndex::set_capacity`]); returns the blocks evicted now.
+    pub fn set_capacity(&mut self, worker: WorkerKey, blocks: Option<u32>) -> u32 {
+        self.primary.set_capacity(worker, blocks)
+    }
+
+    /// Drops one worker key everywhere, with its declared capacity.
     pub fn remove_rank(&mut self, worker: WorkerKey) {
+        self.primary.set_capacity(worker, None);
         self.clear_worker_key(worker);
         if let Some(a) = &mut self.primary_ttl {
             a.forget_worker_key(worker);
