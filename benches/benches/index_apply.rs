@@ -1,26 +1,31 @@
 //! `index_apply`: stored + removed block operations per second on one core. A 64-worker
 //! churn set (1,000 Mooncake requests, block size 16) is stored and then removed again on
 //! top of a steady 128-worker tree built from the first half of the trace.
+//!
+//! The `capacity_*` variants run the same operations with a declared capacity
+//! (`total_kv_blocks`) on every churn worker: `unreached` never evicts (what declaring a
+//! capacity costs), `evicting` is small enough that the stores evict about half of what
+//! they add (the cost of a worker whose removals are lost).
 
 mod index_common;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use index_common as common;
 use kv_index::KvIndex;
-use kv_types::{KvOperationKind, WorkerKey};
+use kv_types::{KvOperation, KvOperationKind, WorkerKey};
+
+const CHURN_WORKERS: u64 = 64;
 
 fn index_apply(c: &mut Criterion) {
     let trace = common::load_trace();
     let block_size = 16;
-    let mut index = KvIndex::with_block_size(block_size);
-    common::build(&mut index, &trace[..trace.len() / 2], block_size, 0);
-    let ops: Vec<_> = trace
+    let ops: Vec<(KvOperation, KvOperation)> = trace
         .iter()
         .skip(trace.len() / 2)
         .take(1000)
         .enumerate()
         .map(|(k, ids)| {
-            let w = WorkerKey::new(200 + (k as u64 % 64), 0);
+            let w = WorkerKey::new(200 + (k as u64 % CHURN_WORKERS), 0);
             let l = common::locals(ids, block_size);
             (common::store_op(w, &l), common::remove_op(w, &l))
         })
@@ -34,16 +39,35 @@ fn index_apply(c: &mut Criterion) {
         .sum();
     let mut group = c.benchmark_group("index_apply");
     group.throughput(Throughput::Elements(block_ops));
-    group.bench_function("store_then_remove_1000_requests_bs16", |b| {
-        b.iter(|| {
-            for (store, _) in &ops {
-                index.apply(store);
-            }
-            for (_, remove) in &ops {
-                index.apply(remove);
-            }
-        })
-    });
+    for (name, capacity) in [
+        ("store_then_remove_1000_requests_bs16", None),
+        (
+            "store_then_remove_1000_requests_bs16_capacity_unreached",
+            Some(u32::MAX),
+        ),
+        (
+            "store_then_remove_1000_requests_bs16_capacity_evicting",
+            Some(2048),
+        ),
+    ] {
+        let mut index = KvIndex::with_block_size(block_size);
+        common::build(&mut index, &trace[..trace.len() / 2], block_size, 0);
+        for w in 0..CHURN_WORKERS {
+            index.set_capacity(WorkerKey::new(200 + w, 0), capacity);
+        }
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                for (store, _) in &ops {
+                    index.apply(store);
+                }
+                for (_, remove) in &ops {
+                    index.apply(remove);
+                }
+            })
+        });
+        let evicted: u64 = index.primary().capacity_evictions().map(|(_, n)| n).sum();
+        eprintln!("{name}: {evicted} blocks evicted in all");
+    }
     group.finish();
 }
 

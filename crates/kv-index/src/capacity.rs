@@ -107,14 +107,28 @@ impl Capacity {
     }
 
     /// Compacts the gain order when stale ids outnumber the held blocks (`held`): keeps the
-    /// first id of every node that `holds`, in order. Amortized O(1) per gain.
+    /// ids of nodes that `holds`, in order, and only the first of repeated ones. Amortized
+    /// O(1) per gain.
     pub(crate) fn maybe_compact(&mut self, held: u32, holds: impl Fn(u32) -> bool) {
         if self.order.len() + self.held.len() <= 2 * held as usize + SLACK {
             return;
         }
-        let mut seen = FxHashSet::default();
-        self.held.retain(|&n| holds(n) && seen.insert(n));
-        self.order.retain(|&n| holds(n) && seen.insert(n));
+        self.held.retain(|&n| holds(n));
+        self.order.retain(|&n| holds(n));
+        // Every held node has an id here, so any excess is repeats (a block lost and
+        // gained again since the last compaction): rare, and only then a set is built.
+        if self.order.len() + self.held.len() > held as usize {
+            let mut seen = FxHashSet::default();
+            self.held.retain(|&n| seen.insert(n));
+            self.order.retain(|&n| seen.insert(n));
+        }
+    }
+
+    /// Forgets the gain order: the worker holds nothing any more.
+    pub(crate) fn clear(&mut self) {
+        self.order.clear();
+        self.held.clear();
+        self.kids = None;
     }
 
     /// The next block to evict: the oldest candidate without a child of this worker.

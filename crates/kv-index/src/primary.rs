@@ -677,7 +677,11 @@ impl PrefixIndex {
                 state.version = self.versions;
             }
             if let Some(cap) = &mut state.cap {
-                cap.relax(state.owned);
+                if state.owned == 0 {
+                    cap.clear();
+                } else {
+                    cap.relax(state.owned);
+                }
             }
         }
         self.scratch = found;
