@@ -466,6 +466,8 @@ pub struct PrefixIndex {
     limits: FxHashMap<WorkerKey, u32>,
     /// Blocks evicted because a worker key exceeded its capacity, per key with a capacity.
     evictions: FxHashMap<WorkerKey, u64>,
+    /// All capacity evictions of this index, monotonic.
+    evicted_total: u64,
 }
 
 impl Default for PrefixIndex {
@@ -491,6 +493,7 @@ impl PrefixIndex {
             layout: next_layout(),
             limits: FxHashMap::default(),
             evictions: FxHashMap::default(),
+            evicted_total: 0,
         }
     }
 
@@ -513,6 +516,29 @@ impl PrefixIndex {
             .flatten()
             .map(WorkerState::allocated_bytes)
             .sum();
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free_nodes.capacity() * std::mem::size_of::<u32>()
+            + self.branches.capacity() * (std::mem::size_of::<((u32, u64), u32)>() + 1)
+            + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
+            + self.slot_of.capacity() * (std::mem::size_of::<(WorkerKey, u32)>() + 1)
+            + self.free_slots.capacity() * std::mem::size_of::<u32>()
+            + heap_owners
+            + workers
+    }
+
+    /// [`PrefixIndex::allocated_bytes`] in O(worker keys), for scrape-time gauges: the
+    /// slab, the child and slot maps and every worker key's maps by capacity, and the heap
+    /// owner lists estimated as one `u32` per membership beyond three per node (a bound
+    /// that counts only shared nodes; most nodes keep their owners inline).
+    pub fn estimated_bytes(&self) -> usize {
+        let workers: usize = self
+            .workers
+            .iter()
+            .flatten()
+            .map(WorkerState::allocated_bytes)
+            .sum();
+        let heap_owners =
+            self.memberships.saturating_sub(3 * self.live_nodes) * std::mem::size_of::<u32>();
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free_nodes.capacity() * std::mem::size_of::<u32>()
             + self.branches.capacity() * (std::mem::size_of::<((u32, u64), u32)>() + 1)
@@ -784,6 +810,17 @@ impl PrefixIndex {
         self.limits.get(&worker).copied()
     }
 
+    /// Blocks evicted so far because a worker key exceeded its declared capacity, all keys
+    /// together (including keys removed since).
+    pub fn capacity_evicted_total(&self) -> u64 {
+        self.evicted_total
+    }
+
+    /// Blocks evicted so far because `worker` exceeded its declared capacity.
+    pub fn capacity_evicted(&self, worker: WorkerKey) -> u64 {
+        self.evictions.get(&worker).copied().unwrap_or(0)
+    }
+
     /// Blocks evicted so far per worker key with a declared capacity (0 for one that never
     /// exceeded it), in no particular order.
     pub fn capacity_evictions(&self) -> impl Iterator<Item = (WorkerKey, u64)> + '_ {
@@ -872,6 +909,7 @@ impl PrefixIndex {
             if let Some(state) = self.workers[slot as usize].as_mut() {
                 state.version = self.versions;
                 *self.evictions.entry(state.key).or_insert(0) += u64::from(evicted);
+                self.evicted_total += u64::from(evicted);
             }
         }
         evicted
@@ -1505,6 +1543,9 @@ mod tests {
         idx.find_matches(&q(&[5, 6, 7, 8]), &mut out);
         assert_eq!(out.score(w), 4);
         assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 3)]);
+        assert_eq!(idx.capacity_evicted_total(), 3);
+        // One worker: no owner list on the heap, so the estimate is exact.
+        assert_eq!(idx.estimated_bytes(), idx.allocated_bytes());
     }
 
     #[test]

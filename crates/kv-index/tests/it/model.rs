@@ -577,6 +577,7 @@ proptest! {
         let mut out = OverlapScores::new();
         let mut declared: BTreeMap<WorkerKey, u32> = BTreeMap::new();
         let mut counted: BTreeMap<WorkerKey, u64> = BTreeMap::new();
+        let mut total = 0;
         for (i, cap) in caps.iter().enumerate() {
             if let Some(c) = cap {
                 let worker = worker_of(i as u8);
@@ -618,6 +619,7 @@ proptest! {
                 }
             }
             for (worker, n) in restrict_to_retained(&mut model, &idx) {
+                total += n;
                 if n > 0 {
                     prop_assert!(declared.contains_key(&worker), "{:?} evicted without a capacity", worker);
                     *counted.entry(worker).or_insert(0) += n;
@@ -628,6 +630,7 @@ proptest! {
             }
             let reported: BTreeMap<WorkerKey, u64> = idx.primary().capacity_evictions().collect();
             prop_assert_eq!(&reported, &counted, "after {:?}", op);
+            prop_assert_eq!(idx.counters().capacity_evicted, total);
             for query in queries_of(&model, &queries) {
                 prop_assert_eq!(index_scores(&idx, &query, &mut out), model.scores(&query), "query {:?} after {:?}", query, op);
                 check_last_external(&out, &query, hashes);
