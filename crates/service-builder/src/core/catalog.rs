@@ -56,6 +56,9 @@ fn declare_capacity(p: &Partition, record: &WorkerRequest) {
         .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
     if blocks.is_some() {
         p.capacity_declared.store(true, Ordering::Relaxed);
+    } else if !p.capacity_declared.load(Ordering::Relaxed) {
+        // Nothing here was ever bounded: nothing to withdraw, no write lock to take.
+        return;
     }
     let mut index = p.index.write();
     let mut evicted = 0u64;

@@ -555,7 +555,33 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
         &text,
         r#"kv_select_index_memberships{model_name="default",routing_group="default",tier="device"} 2"#,
     );
-    // Gone with the worker.
+    // Registered again without it: no bound, no count.
+    let mut again = c.list_workers(None, None).remove(0).worker;
+    again.total_kv_blocks = None;
+    c.upsert_worker(again).unwrap();
+    c.apply_events(&partition, &ops);
+    let text = encode(&registry);
+    assert!(
+        !text.contains("kv_select_index_capacity_evictions_total{"),
+        "{text}"
+    );
+    has(
+        &text,
+        r#"kv_select_index_memberships{model_name="default",routing_group="default",tier="device"} 9"#,
+    );
+    // Bounded again, then gone with the worker.
+    c.patch_worker(
+        2,
+        service_builder::WorkerPatch {
+            total_kv_blocks: Some(3),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    has(
+        &encode(&registry),
+        r#"kv_select_index_capacity_evictions_total{worker_id="2",dp_rank="0"} 6"#,
+    );
     c.delete_worker(2).unwrap();
     let text = encode(&registry);
     assert!(
