@@ -182,6 +182,12 @@ impl Capacity {
         self.kids = Some(kids);
     }
 
+    /// The child counts, while evicting (for the trie's invariant checks).
+    #[cfg(test)]
+    pub(crate) fn child_counts(&self) -> Option<&FxHashMap<u32, u32>> {
+        self.kids.as_ref()
+    }
+
     /// Bytes allocated by this bookkeeping.
     pub(crate) fn allocated_bytes(&self) -> usize {
         self.order.capacity() * std::mem::size_of::<u32>()

@@ -1428,6 +1428,16 @@ mod tests {
                 for (&id, &ext) in &state.own_at {
                     assert_eq!(state.foreign.get(&ext), Some(&id));
                 }
+                let slot = self.slot_of[&state.key];
+                if let Some(kids) = state.cap.as_ref().and_then(Capacity::child_counts) {
+                    let mut actual: FxHashMap<u32, u32> = FxHashMap::default();
+                    for n in self.nodes.iter().skip(1) {
+                        if n.parent != NONE && n.owners.contains(slot) {
+                            *actual.entry(n.parent).or_insert(0) += 1;
+                        }
+                    }
+                    assert_eq!(kids, &actual, "child counts of {:?}", state.key);
+                }
             }
         }
     }
@@ -1445,6 +1455,10 @@ mod tests {
             x % m
         };
         let mut out = OverlapScores::new();
+        // Two of the five workers are bounded, so evictions run between the other changes
+        // (their owner-set changes must keep the first-child bits exact too).
+        idx.set_capacity(WorkerKey::new(0, 0), Some(3));
+        idx.set_capacity(WorkerKey::new(1, 0), Some(7));
         for step in 0..3000 {
             let w = WorkerKey::new(next(5), 0);
             match next(10) {
@@ -1466,6 +1480,8 @@ mod tests {
                 }
             }
             idx.check_invariants();
+            assert!(idx.worker_blocks(WorkerKey::new(0, 0)) <= 3, "{step}");
+            assert!(idx.worker_blocks(WorkerKey::new(1, 0)) <= 7, "{step}");
             let query: Vec<u64> = (0..1 + next(6)).map(|_| next(3)).collect();
             idx.find_matches(&q(&query), &mut out);
             assert!(
@@ -1474,6 +1490,7 @@ mod tests {
             );
         }
         assert!(idx.allocated_bytes() > 0);
+        assert!(idx.capacity_evicted_total() > 0);
     }
 
     #[test]
