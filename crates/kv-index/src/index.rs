@@ -125,6 +125,9 @@ pub struct ApplyCounters {
     pub lower_tier_ops: u64,
     /// Entries removed by approximate-mode expiry (primary and side index).
     pub approx_expired: u64,
+    /// Device blocks evicted because their worker key exceeded its declared capacity
+    /// ([`KvIndex::set_capacity`]), all keys together.
+    pub capacity_evicted: u64,
 }
 
 impl ApplyCounters {
@@ -328,7 +331,23 @@ impl KvIndex {
     }
 
     pub fn counters(&self) -> ApplyCounters {
-        self.counters
+        ApplyCounters {
+            capacity_evicted: self.primary.capacity_evicted_total(),
+            ..self.counters
+        }
+    }
+
+    /// Estimated bytes of the whole partition index (primary, lower tiers, side index), in
+    /// O(worker keys): see [`PrefixIndex::estimated_bytes`].
+    pub fn estimated_bytes(&self) -> usize {
+        self.primary.estimated_bytes()
+            + self
+                .lower
+                .iter()
+                .flatten()
+                .map(LowerTierIndex::estimated_bytes)
+                .sum::<usize>()
+            + self.side.as_ref().map_or(0, |(s, _)| s.estimated_bytes())
     }
 
     pub fn primary(&self) -> &PrefixIndex {
@@ -472,8 +491,15 @@ impl KvIndex {
         }
     }
 
-    /// Drops one worker key everywhere.
+    /// Declares (`Some`) or withdraws (`None`) the device-tier capacity of `worker` in
+    /// blocks ([`PrefixIndex::set_capacity`]); returns the blocks evicted now.
+    pub fn set_capacity(&mut self, worker: WorkerKey, blocks: Option<u32>) -> u32 {
+        self.primary.set_capacity(worker, blocks)
+    }
+
+    /// Drops one worker key everywhere, with its declared capacity.
     pub fn remove_rank(&mut self, worker: WorkerKey) {
+        self.primary.set_capacity(worker, None);
         self.clear_worker_key(worker);
         if let Some(a) = &mut self.primary_ttl {
             a.forget_worker_key(worker);

@@ -19,6 +19,10 @@
 //! - `find_matches` writes into a caller-owned [`OverlapScores`]; once it has grown, a
 //!   query allocates nothing.
 //! - A restored snapshot answers every query like the original (property-tested).
+//! - A worker key with a declared capacity ([`KvIndex::set_capacity`], `total_kv_blocks`)
+//!   never holds more device blocks than that after an operation returns; evictions take
+//!   only blocks none of whose children the worker still holds, so they never cut a chain,
+//!   and the answers equal the model's restricted to the retained blocks (property-tested).
 //!
 //! # Design choices
 //! - **Per-block trie in a slab** ([`PrefixIndex`]): 48-byte nodes in one `Vec`, with the
@@ -77,6 +81,14 @@
 //!   another 100 ms bucket. The approximate-mode model test fails if either check is
 //!   dropped. A chain that does not extend the worker's last one (another prompt, a
 //!   shorter one) costs a walk from the root plus one map lookup.
+//! - **Capacity bound** (beyond the reference): an engine cannot cache more blocks than
+//!   it has, so blocks past a worker's declared capacity are state whose `Removed` was
+//!   lost. Per worker key with a capacity, the index keeps the node ids it gained in order
+//!   (a 4-byte push per gained block, compacted when stale ids pile up) and, only once it
+//!   exceeds the capacity, exact per-node counts of its held children, which make the
+//!   oldest-first eviction leaf-first; the counts are dropped again when the worker is well
+//!   below its capacity. Eviction forgets every hash the worker mapped to the block, so no
+//!   stale mapping keeps a node alive. See `capacity.rs`.
 //! - **Concurrency**: [`SharedKvIndex`] is a `parking_lot::RwLock<KvIndex>` whose write
 //!   sections are short: one operation, except that a device store longer than
 //!   [`STORE_PIECE_BLOCKS`] (128) is applied in pieces ([`apply_fairly`]), plus one recorded
@@ -91,6 +103,7 @@
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench
 //! index_lookup` (`index_apply`, `index_memory`) reproduces them.
 
+mod capacity;
 mod index;
 mod lower;
 mod owners;

@@ -32,6 +32,21 @@ impl LowerTierIndex {
         self.workers.values().map(|m| m.len()).sum()
     }
 
+    /// Bytes allocated by the maps (by capacity) and owner lists (by length), in
+    /// O(worker keys).
+    pub fn estimated_bytes(&self) -> usize {
+        let per_worker: usize = self
+            .workers
+            .values()
+            .map(|m| m.capacity() * (std::mem::size_of::<(ExternalHash, EdgeKey)>() + 1))
+            .sum();
+        self.edges.capacity() * (std::mem::size_of::<(EdgeKey, Edge)>() + 1)
+            + self.workers.capacity()
+                * (std::mem::size_of::<(WorkerKey, FxHashMap<ExternalHash, EdgeKey>)>() + 1)
+            + per_worker
+            + self.memberships() * std::mem::size_of::<WorkerKey>()
+    }
+
     /// Applies a store (§4.2); no parent-existence check. Returns the blocks applied
     /// before the first conflict (a different key for a known hash, or an edge whose
     /// child is a different hash: first writer wins).

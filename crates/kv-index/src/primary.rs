@@ -6,6 +6,7 @@ use hashbrown::HashTable;
 use kv_types::{BlockHash, ExternalHash, StoredBlock, WorkerId, WorkerKey};
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
+use crate::capacity::Capacity;
 use crate::owners::Owners;
 
 /// Node id of the root (the empty prefix). Never pruned.
@@ -98,6 +99,12 @@ struct WorkerState {
     /// state of the index: an unchanged version means the worker still holds exactly what
     /// it held when the version was read.
     version: u64,
+    /// Set once `foreign` may map two hashes to one node (an engine stored a block under
+    /// several hashes of its own): evicting a node then scans `foreign` for all of them.
+    /// Otherwise a node's only foreign hash is its `own_at` entry.
+    aliased: bool,
+    /// The declared capacity's bookkeeping, for a worker key that declared one.
+    cap: Option<Capacity>,
 }
 
 /// A new slot-layout id, never handed out before in this process.
@@ -120,6 +127,8 @@ impl WorkerState {
             own_at: FxHashMap::default(),
             owned: 0,
             version,
+            aliased: false,
+            cap: None,
         }
     }
 
@@ -145,8 +154,9 @@ impl WorkerState {
             let previous = if self.foreign.is_empty() {
                 None
             } else {
-                // The latest store names `node` by the node's own hash.
-                self.own_at.remove(&node);
+                // The latest store names `node` by the node's own hash. A foreign hash
+                // that still maps here is no longer named by `own_at`.
+                self.aliased |= self.own_at.remove(&node).is_some();
                 let previous = self.foreign.remove(&ext);
                 if let Some(old) = previous {
                     self.forget_own(old, ext);
@@ -174,7 +184,10 @@ impl WorkerState {
             if let Some(old) = moved {
                 self.forget_own(old, ext);
             }
-            self.own_at.insert(node, ext);
+            self.aliased |= self
+                .own_at
+                .insert(node, ext)
+                .is_some_and(|prev| prev != ext);
             moved.or(previous)
         }
     }
@@ -216,9 +229,39 @@ impl WorkerState {
         }
     }
 
+    /// Forgets every hash this worker maps to `node`; returns how many there were.
+    fn unmap(&mut self, nodes: &[Node], node: u32) -> u32 {
+        let mut unmapped = 0;
+        if let Ok(e) = self
+            .blocks
+            .find_entry(ext_hash(nodes[node as usize].external), |&id| id == node)
+        {
+            e.remove();
+            unmapped += 1;
+        }
+        if self.foreign.is_empty() {
+            return unmapped;
+        }
+        if let Some(ext) = self.own_at.remove(&node)
+            && self.foreign.get(&ext) == Some(&node)
+        {
+            self.foreign.remove(&ext);
+            unmapped += 1;
+        }
+        if self.aliased {
+            self.foreign.retain(|_, n| {
+                let keep = *n != node;
+                unmapped += u32::from(!keep);
+                keep
+            });
+        }
+        unmapped
+    }
+
     /// Bytes allocated by the maps.
     fn allocated_bytes(&self) -> usize {
-        self.blocks.allocation_size()
+        self.cap.as_ref().map_or(0, Capacity::allocated_bytes)
+            + self.blocks.allocation_size()
             + self.foreign.capacity() * (std::mem::size_of::<(ExternalHash, u32)>() + 1)
             + self.own_at.capacity() * (std::mem::size_of::<(u32, ExternalHash)>() + 1)
     }
@@ -418,6 +461,13 @@ pub struct PrefixIndex {
     /// unique across all indexes of the process, so a buffer used with another index never
     /// mistakes its keys for this one's.
     layout: u64,
+    /// Declared capacities (`total_kv_blocks`) per worker key, kept while the key has no
+    /// state (before its first store, after a `Cleared`).
+    limits: FxHashMap<WorkerKey, u32>,
+    /// Blocks evicted because a worker key exceeded its capacity, per key with a capacity.
+    evictions: FxHashMap<WorkerKey, u64>,
+    /// All capacity evictions of this index, monotonic.
+    evicted_total: u64,
 }
 
 impl Default for PrefixIndex {
@@ -441,6 +491,9 @@ impl PrefixIndex {
             memo: Memo::default(),
             versions: 0,
             layout: next_layout(),
+            limits: FxHashMap::default(),
+            evictions: FxHashMap::default(),
+            evicted_total: 0,
         }
     }
 
@@ -463,6 +516,29 @@ impl PrefixIndex {
             .flatten()
             .map(WorkerState::allocated_bytes)
             .sum();
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free_nodes.capacity() * std::mem::size_of::<u32>()
+            + self.branches.capacity() * (std::mem::size_of::<((u32, u64), u32)>() + 1)
+            + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
+            + self.slot_of.capacity() * (std::mem::size_of::<(WorkerKey, u32)>() + 1)
+            + self.free_slots.capacity() * std::mem::size_of::<u32>()
+            + heap_owners
+            + workers
+    }
+
+    /// [`PrefixIndex::allocated_bytes`] in O(worker keys), for scrape-time gauges: the
+    /// slab, the child and slot maps and every worker key's maps by capacity, and the heap
+    /// owner lists estimated as one `u32` per membership beyond three per node (a bound
+    /// that counts only shared nodes; most nodes keep their owners inline).
+    pub fn estimated_bytes(&self) -> usize {
+        let workers: usize = self
+            .workers
+            .iter()
+            .flatten()
+            .map(WorkerState::allocated_bytes)
+            .sum();
+        let heap_owners =
+            self.memberships.saturating_sub(3 * self.live_nodes) * std::mem::size_of::<u32>();
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free_nodes.capacity() * std::mem::size_of::<u32>()
             + self.branches.capacity() * (std::mem::size_of::<((u32, u64), u32)>() + 1)
@@ -511,24 +587,29 @@ impl PrefixIndex {
         let mut gained = 0u32;
         let mut cur = start;
         for block in blocks {
-            let child = match self.child(cur, block.tokens_hash.0) {
+            let (child, gain) = match self.child(cur, block.tokens_hash.0) {
                 Some(c) => {
-                    if self.nodes[c as usize].owners.insert(slot) {
+                    let gain = self.nodes[c as usize].owners.insert(slot);
+                    if gain {
                         gained += 1;
                         self.owners_changed(c);
                     }
-                    c
+                    (c, gain)
                 }
                 None => {
                     // Created owned: no owner-set change to propagate.
                     gained += 1;
-                    self.alloc_node(cur, block.tokens_hash.0, block.block_hash.0, slot)
+                    let c = self.alloc_node(cur, block.tokens_hash.0, block.block_hash.0, slot);
+                    (c, true)
                 }
             };
             let nodes = &self.nodes;
-            let previous = self.workers[slot as usize]
-                .as_mut()
-                .and_then(|state| state.insert(nodes, block.block_hash, child));
+            let previous = self.workers[slot as usize].as_mut().and_then(|state| {
+                if gain && let Some(cap) = &mut state.cap {
+                    cap.gained(child, cur);
+                }
+                state.insert(nodes, block.block_hash, child)
+            });
             if previous != Some(child) {
                 changed = true;
                 self.nodes[child as usize].refs += 1;
@@ -550,6 +631,9 @@ impl PrefixIndex {
             self.versions += 1;
             if let Some(state) = self.workers[slot as usize].as_mut() {
                 state.version = self.versions;
+            }
+            if gained > 0 {
+                self.enforce_capacity(slot);
             }
         }
         if changed {
@@ -591,12 +675,22 @@ impl PrefixIndex {
             drop(state.blocks.drain());
         }
         out.removed = found.len() as u32;
+        let counting = state.cap.as_ref().is_some_and(Capacity::counting);
         let mut lost = 0;
         for &node in &found {
             let n = &mut self.nodes[node as usize];
             n.refs -= 1;
             if n.owners.remove(slot) {
                 lost += 1;
+                if counting {
+                    let parent = n.parent;
+                    if let Some(cap) = self.workers[slot as usize]
+                        .as_mut()
+                        .and_then(|s| s.cap.as_mut())
+                    {
+                        cap.lost(parent);
+                    }
+                }
                 self.owners_changed(node);
             }
             self.prune(node);
@@ -607,6 +701,13 @@ impl PrefixIndex {
             state.owned -= lost;
             if out.removed > 0 || lost > 0 {
                 state.version = self.versions;
+            }
+            if let Some(cap) = &mut state.cap {
+                if state.owned == 0 {
+                    cap.clear();
+                } else {
+                    cap.relax(state.owned);
+                }
             }
         }
         self.scratch = found;
@@ -651,8 +752,176 @@ impl PrefixIndex {
         true
     }
 
-    /// Removes every rank of `worker_id`. Returns the removed keys' count.
+    /// Declares (`Some`) or withdraws (`None`) the capacity of `worker` in blocks: from now
+    /// on it never holds more than `blocks` device blocks here. Blocks beyond it are
+    /// evicted at once, and by every later store that would exceed it, oldest first and
+    /// leaf-first (a block goes only when the worker holds none of its children), so a
+    /// worker's chains never lose a middle block to eviction. Returns the blocks evicted
+    /// now. Withdrawing also forgets the key's eviction count.
+    pub fn set_capacity(&mut self, worker: WorkerKey, blocks: Option<u32>) -> u32 {
+        let slot = self.slot_of.get(&worker).copied();
+        let Some(limit) = blocks else {
+            self.limits.remove(&worker);
+            self.evictions.remove(&worker);
+            if let Some(state) = slot.and_then(|s| self.workers[s as usize].as_mut()) {
+                state.cap = None;
+            }
+            return 0;
+        };
+        self.limits.insert(worker, limit);
+        self.evictions.entry(worker).or_insert(0);
+        let Some(slot) = slot else {
+            return 0;
+        };
+        let nodes = &self.nodes;
+        let Some(state) = self.workers[slot as usize].as_mut() else {
+            return 0;
+        };
+        match &mut state.cap {
+            Some(cap) => cap.set_limit(limit),
+            None => {
+                // Blocks held before the declaration have no known age: id order.
+                let mut held: Vec<u32> = state.blocks.iter().copied().collect();
+                held.extend(state.foreign.values().copied());
+                held.retain(|&n| nodes[n as usize].owners.contains(slot));
+                held.sort_unstable();
+                held.dedup();
+                if held.len() < state.owned as usize {
+                    // Blocks held without a hash (an engine reused the hash elsewhere).
+                    held = (1..nodes.len() as u32)
+                        .filter(|&n| {
+                            let node = &nodes[n as usize];
+                            node.parent != NONE && node.owners.contains(slot)
+                        })
+                        .collect();
+                }
+                let mut cap = Capacity::new(limit);
+                for n in held {
+                    cap.gained(n, nodes[n as usize].parent);
+                }
+                state.cap = Some(cap);
+            }
+        }
+        self.enforce_capacity(slot)
+    }
+
+    /// The declared capacity of `worker`, if any.
+    pub fn capacity(&self, worker: WorkerKey) -> Option<u32> {
+        self.limits.get(&worker).copied()
+    }
+
+    /// Blocks evicted so far because a worker key exceeded its declared capacity, all keys
+    /// together (including keys removed since).
+    pub fn capacity_evicted_total(&self) -> u64 {
+        self.evicted_total
+    }
+
+    /// Blocks evicted so far because `worker` exceeded its declared capacity.
+    pub fn capacity_evicted(&self, worker: WorkerKey) -> u64 {
+        self.evictions.get(&worker).copied().unwrap_or(0)
+    }
+
+    /// Blocks evicted so far per worker key with a declared capacity (0 for one that never
+    /// exceeded it), in no particular order.
+    pub fn capacity_evictions(&self) -> impl Iterator<Item = (WorkerKey, u64)> + '_ {
+        self.evictions.iter().map(|(&k, &n)| (k, n))
+    }
+
+    /// The device blocks `worker` holds here (memberships, reachable from the root or not).
+    pub fn worker_blocks(&self, worker: WorkerKey) -> u32 {
+        self.slot_of
+            .get(&worker)
+            .and_then(|&s| self.workers[s as usize].as_ref())
+            .map_or(0, |s| s.owned)
+    }
+
+    /// Whether `worker` holds the block at the end of `path` (the local hashes from the
+    /// root), whatever it holds above it.
+    pub fn holds(&self, worker: WorkerKey, path: &[BlockHash]) -> bool {
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            return false;
+        };
+        let mut node = ROOT;
+        for h in path {
+            match self.child(node, h.0) {
+                Some(c) => node = c,
+                None => return false,
+            }
+        }
+        node != ROOT && self.nodes[node as usize].owners.contains(slot)
+    }
+
+    /// Evicts `slot`'s blocks while it holds more than its capacity; returns how many.
+    /// Also compacts its gain order (the only place it grows is a store, which ends here).
+    fn enforce_capacity(&mut self, slot: u32) -> u32 {
+        let nodes = &self.nodes;
+        let holds = |n: u32| {
+            nodes
+                .get(n as usize)
+                .is_some_and(|x| x.parent != NONE && x.owners.contains(slot))
+        };
+        let Some(state) = self.workers[slot as usize].as_mut() else {
+            return 0;
+        };
+        let Some(cap) = &mut state.cap else {
+            return 0;
+        };
+        cap.maybe_compact(state.owned, holds);
+        if state.owned <= cap.limit() {
+            return 0;
+        }
+        // Evictions are a different one-slot delta than the store before them.
+        self.memo = Memo::default();
+        let mut evicted = 0;
+        loop {
+            let nodes = &self.nodes;
+            let Some(state) = self.workers[slot as usize].as_mut() else {
+                break;
+            };
+            let Some(cap) = &mut state.cap else {
+                break;
+            };
+            if state.owned <= cap.limit() {
+                break;
+            }
+            let holds = |n: u32| {
+                nodes
+                    .get(n as usize)
+                    .is_some_and(|x| x.parent != NONE && x.owners.contains(slot))
+            };
+            let Some(victim) = cap.victim(holds, |n| nodes[n as usize].parent) else {
+                break;
+            };
+            let parent = nodes[victim as usize].parent;
+            cap.lost(parent);
+            let unmapped = state.unmap(nodes, victim);
+            state.owned -= 1;
+            let n = &mut self.nodes[victim as usize];
+            n.refs -= unmapped;
+            n.owners.remove(slot);
+            self.memberships -= 1;
+            self.owners_changed(victim);
+            self.prune(victim);
+            evicted += 1;
+        }
+        if evicted > 0 {
+            self.versions += 1;
+            if let Some(state) = self.workers[slot as usize].as_mut() {
+                state.version = self.versions;
+                *self.evictions.entry(state.key).or_insert(0) += u64::from(evicted);
+                self.evicted_total += u64::from(evicted);
+            }
+        }
+        evicted
+    }
+
+    /// Removes every rank of `worker_id`, with their declared capacities and eviction
+    /// counts. Returns the removed keys' count.
     pub fn remove_worker_id(&mut self, worker_id: WorkerId) -> usize {
+        if !self.limits.is_empty() {
+            self.limits.retain(|k, _| k.worker_id != worker_id);
+            self.evictions.retain(|k, _| k.worker_id != worker_id);
+        }
         let keys: Vec<WorkerKey> = self
             .slot_of
             .keys()
@@ -928,7 +1197,8 @@ impl PrefixIndex {
             return slot;
         }
         self.versions += 1;
-        let state = WorkerState::new(worker, self.versions);
+        let mut state = WorkerState::new(worker, self.versions);
+        state.cap = self.limits.get(&worker).map(|&limit| Capacity::new(limit));
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.workers[slot as usize] = Some(state);
@@ -1158,6 +1428,16 @@ mod tests {
                 for (&id, &ext) in &state.own_at {
                     assert_eq!(state.foreign.get(&ext), Some(&id));
                 }
+                let slot = self.slot_of[&state.key];
+                if let Some(kids) = state.cap.as_ref().and_then(Capacity::child_counts) {
+                    let mut actual: FxHashMap<u32, u32> = FxHashMap::default();
+                    for n in self.nodes.iter().skip(1) {
+                        if n.parent != NONE && n.owners.contains(slot) {
+                            *actual.entry(n.parent).or_insert(0) += 1;
+                        }
+                    }
+                    assert_eq!(kids, &actual, "child counts of {:?}", state.key);
+                }
             }
         }
     }
@@ -1175,6 +1455,10 @@ mod tests {
             x % m
         };
         let mut out = OverlapScores::new();
+        // Two of the five workers are bounded, so evictions run between the other changes
+        // (their owner-set changes must keep the first-child bits exact too).
+        idx.set_capacity(WorkerKey::new(0, 0), Some(3));
+        idx.set_capacity(WorkerKey::new(1, 0), Some(7));
         for step in 0..3000 {
             let w = WorkerKey::new(next(5), 0);
             match next(10) {
@@ -1196,6 +1480,8 @@ mod tests {
                 }
             }
             idx.check_invariants();
+            assert!(idx.worker_blocks(WorkerKey::new(0, 0)) <= 3, "{step}");
+            assert!(idx.worker_blocks(WorkerKey::new(1, 0)) <= 7, "{step}");
             let query: Vec<u64> = (0..1 + next(6)).map(|_| next(3)).collect();
             idx.find_matches(&q(&query), &mut out);
             assert!(
@@ -1204,6 +1490,7 @@ mod tests {
             );
         }
         assert!(idx.allocated_bytes() > 0);
+        assert!(idx.capacity_evicted_total() > 0);
     }
 
     #[test]
@@ -1231,6 +1518,115 @@ mod tests {
             idx.check_invariants();
         }
         assert_eq!(idx.stats().memberships, 6);
+    }
+
+    /// Every block `worker` holds has its parent held too (or is a root child).
+    fn assert_prefix_closed(idx: &PrefixIndex, worker: WorkerKey) {
+        let slot = idx.slot_of[&worker];
+        for (id, n) in idx.nodes.iter().enumerate().skip(1) {
+            if n.parent != NONE && n.owners.contains(slot) && n.parent != ROOT {
+                let p = &idx.nodes[n.parent as usize];
+                assert!(p.owners.contains(slot), "node {id} held without its parent");
+            }
+        }
+    }
+
+    #[test]
+    fn capacity_evicts_the_oldest_chain_leaf_first() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        assert_eq!(idx.set_capacity(w, Some(4)), 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        idx.apply_stored(w, None, &blocks(&[(5, 15), (6, 16)]));
+        idx.check_invariants();
+        assert_eq!(idx.worker_blocks(w), 4);
+        assert_prefix_closed(&idx, w);
+        let mut out = OverlapScores::new();
+        // The oldest chain lost its leaf; the new one is whole.
+        idx.find_matches(&q(&[1, 2, 3]), &mut out);
+        assert_eq!(out.score(w), 2);
+        idx.find_matches(&q(&[5, 6]), &mut out);
+        assert_eq!(out.score(w), 2);
+        assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 1)]);
+        // The evicted block is forgotten by its hash and its node freed.
+        assert_eq!(idx.stats().nodes, 4);
+        assert_eq!(idx.apply_removed(w, &[ExternalHash(13)]).not_found, 1);
+        // A store under a kept block extends it; the oldest leaf (2) goes first.
+        idx.apply_stored(w, Some(ExternalHash(16)), &blocks(&[(7, 17), (8, 18)]));
+        idx.check_invariants();
+        assert_prefix_closed(&idx, w);
+        idx.find_matches(&q(&[1, 2]), &mut out);
+        assert_eq!(out.score(w), 0);
+        idx.find_matches(&q(&[5, 6, 7, 8]), &mut out);
+        assert_eq!(out.score(w), 4);
+        assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 3)]);
+        assert_eq!(idx.capacity_evicted_total(), 3);
+        // One worker: no owner list on the heap, so the estimate is exact.
+        assert_eq!(idx.estimated_bytes(), idx.allocated_bytes());
+    }
+
+    #[test]
+    fn a_store_longer_than_the_capacity_keeps_its_head() {
+        let mut idx = PrefixIndex::new();
+        let (w, other) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        idx.set_capacity(w, Some(3));
+        let chain: Vec<(u64, u64)> = (1..=10).map(|i| (i, 100 + i)).collect();
+        idx.apply_stored(other, None, &blocks(&chain));
+        idx.apply_stored(w, None, &blocks(&chain));
+        idx.check_invariants();
+        assert_prefix_closed(&idx, w);
+        let mut out = OverlapScores::new();
+        idx.find_matches(&q(&(1..=10).collect::<Vec<_>>()), &mut out);
+        assert_eq!((out.score(w), out.score(other)), (3, 10));
+        assert_eq!(idx.worker_blocks(w), 3);
+        assert_eq!(idx.stats().memberships, 13);
+    }
+
+    #[test]
+    fn a_block_stored_under_two_hashes_leaves_no_mapping_when_evicted() {
+        let mut idx = PrefixIndex::new();
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        idx.apply_stored(a, None, &blocks(&[(1, 11)]));
+        // b names the node by two hashes of its own, and by the node's own hash.
+        idx.apply_stored(b, None, &blocks(&[(1, 21)]));
+        idx.apply_stored(b, None, &blocks(&[(1, 22)]));
+        idx.apply_stored(b, None, &blocks(&[(1, 11)]));
+        idx.check_invariants();
+        idx.set_capacity(b, Some(1));
+        idx.apply_stored(b, None, &blocks(&[(2, 23)]));
+        idx.check_invariants();
+        assert_eq!(idx.worker_blocks(b), 1);
+        let removed = idx.apply_removed(b, &[ExternalHash(21), ExternalHash(22), ExternalHash(11)]);
+        assert_eq!((removed.removed, removed.not_found), (0, 3));
+        assert_eq!(
+            idx.apply_stored(b, Some(ExternalHash(21)), &blocks(&[(3, 24)])),
+            StoreOutcome::ParentNotFound
+        );
+        assert!(idx.remove_worker_key(a));
+        // Only b's remaining block is left: no node kept alive by a stale hash.
+        assert_eq!(idx.stats().nodes, 1);
+    }
+
+    #[test]
+    fn declaring_a_capacity_below_what_is_held_evicts_at_once() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        idx.apply_stored(w, Some(ExternalHash(11)), &blocks(&[(4, 14)]));
+        assert_eq!(idx.set_capacity(w, Some(2)), 2);
+        idx.check_invariants();
+        assert_prefix_closed(&idx, w);
+        assert_eq!(idx.worker_blocks(w), 2);
+        // Cleared keeps the declaration; withdrawing it forgets the count.
+        idx.remove_worker_key(w);
+        assert_eq!(idx.capacity(w), Some(2));
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        assert_eq!(idx.worker_blocks(w), 2);
+        assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 3)]);
+        idx.set_capacity(w, None);
+        assert_eq!(idx.capacity_evictions().count(), 0);
+        idx.apply_stored(w, Some(ExternalHash(12)), &blocks(&[(3, 13), (4, 14)]));
+        assert_eq!(idx.worker_blocks(w), 4);
     }
 
     #[test]

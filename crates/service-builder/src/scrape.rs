@@ -121,6 +121,9 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         counters: kv_index::ApplyCounters,
         blocks: usize,
         memberships: [usize; StorageTier::ALL.len()],
+        bytes: usize,
+        /// Capacity evictions per worker rank with a declared `total_kv_blocks`.
+        evictions: Vec<(kv_types::WorkerKey, u64)>,
         /// `(requests, ISL tokens)` waiting, when the partition has an admission queue.
         queued: Option<(u64, u64)>,
         routing: RoutingSnapshot,
@@ -142,6 +145,8 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 counters: index.counters(),
                 blocks: stats.nodes,
                 memberships,
+                bytes: index.estimated_bytes(),
+                evictions: index.primary().capacity_evictions().collect(),
                 queued: p.queue.as_ref().map(|q| q.pending()),
                 routing: p.routing.snapshot(),
             }
@@ -197,6 +202,36 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 .into_iter()
                 .zip(r.memberships)
                 .map(move |(tier, n)| ((part(r), [("tier", tier.as_str())]), n as u64))
+        }),
+    )?;
+    rows(
+        enc,
+        "index_estimated_bytes",
+        "Estimated bytes allocated by the partition's index (all tiers and the side index).",
+        MetricType::Gauge,
+        snapshot.iter().map(|r| (part(r), r.bytes as u64)),
+    )?;
+    // Per worker rank, summed over partitions (a rank's blocks are in one partition; one
+    // that moved keeps no count in the old one).
+    let mut evictions: std::collections::BTreeMap<kv_types::WorkerKey, u64> = Default::default();
+    for (key, n) in snapshot.iter().flat_map(|r| r.evictions.iter()) {
+        *evictions.entry(*key).or_insert(0) += n;
+    }
+    rows(
+        enc,
+        "index_capacity_evictions",
+        "Device blocks evicted from the index because the worker rank held more than its \
+         total_kv_blocks (an engine cannot, so their Removed events were lost). Ranks with a \
+         declared total_kv_blocks only.",
+        MetricType::Counter,
+        evictions.into_iter().map(|(key, n)| {
+            (
+                [
+                    ("worker_id", key.worker_id.0.to_string()),
+                    ("dp_rank", key.dp_rank.0.to_string()),
+                ],
+                n,
+            )
         }),
     )?;
     for (name, help, value) in [

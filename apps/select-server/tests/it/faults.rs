@@ -854,3 +854,70 @@ fn running_out_of_descriptors_neither_spins_nor_floods_the_log() {
     assert!(warnings <= 2, "{warnings} accept warnings in 1.5 s");
     assert_eq!(health, 200);
 }
+
+/// An engine whose removals are lost (#24 item 4): its worker declared
+/// `total_kv_blocks: 6` and the publisher stores two chains of four blocks with no
+/// `BlockRemoved` in between. The index keeps six blocks, evicting the older chain's two
+/// last blocks (leaf-first, so the chain keeps a prefix that still matches); `/metrics`
+/// counts the evictions for the rank, and the log warns.
+#[test]
+fn a_worker_storing_past_its_total_kv_blocks_keeps_only_that_many() {
+    let ctx = zmq::Context::new();
+    let zport = free_port();
+    let server = Proc::start(&[], &[]);
+    let mut worker = kv_worker(1, zport);
+    worker["total_kv_blocks"] = json!(6);
+    assert_eq!(server.post("/workers", worker).0, 201);
+    let (a, a_tokens, a_batch) = chain(100);
+    let (b, b_tokens, b_batch) = chain(200);
+    let engine = engine(&ctx, zport);
+    let mut seq = 0;
+    // PUB/SUB joins late: republish until applied (a repeat of a held chain gains nothing,
+    // so it evicts nothing).
+    wait_until("the first chain", Duration::from_secs(15), || {
+        publish(&engine, seq, &a_batch);
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(30));
+        server.blocks(1) == set(&a)
+    });
+    assert_eq!(
+        server.metric("kv_select_index_capacity_evictions_total{worker_id=\"1\",dp_rank=\"0\"}"),
+        0
+    );
+    wait_until("the second chain", Duration::from_secs(15), || {
+        publish(&engine, seq, &b_batch);
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(30));
+        set(&b).is_subset(&server.blocks(1))
+    });
+    assert_eq!(server.blocks(1), set(&[a[0], a[1], b[0], b[1], b[2], b[3]]));
+    assert_eq!(server.overlap(1, &b_tokens), 4);
+    assert_eq!(server.overlap(1, &a_tokens), 2);
+    let metrics = server.metrics();
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "kv_select_index_capacity_evictions_total{worker_id=\"1\",dp_rank=\"0\"}"
+        ),
+        2,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "kv_select_index_memberships{model_name=\"default\",routing_group=\"default\",tier=\"device\"}"
+        ),
+        6,
+        "{metrics}"
+    );
+    assert!(
+        metric_sum(&metrics, "kv_select_index_estimated_bytes{") > 0,
+        "{metrics}"
+    );
+    let log = server.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("total_kv_blocks") && l.contains("evicted")),
+        "no capacity warning in:\n{log}"
+    );
+}

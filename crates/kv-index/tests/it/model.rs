@@ -244,8 +244,20 @@ fn apply(model: &mut Model, idx: &mut KvIndex, op: &Op, hashes: Hashes) {
                 .iter()
                 .map(|&s| pick_hash(model, worker, s, 6))
                 .collect();
+            let known = model.workers.get(&worker).map_or(0, |mw| {
+                let distinct: BTreeSet<u64> = hashes.iter().copied().collect();
+                distinct.iter().filter(|h| mw.map.contains_key(h)).count()
+            });
             model.removed(worker, &hashes);
-            idx.apply(&removed(worker, &hashes));
+            // Every hash the model knows is found once; the rest (and repeats) are not.
+            let expected = if known == hashes.len() {
+                kv_index::ApplyOutcome::Ok
+            } else {
+                kv_index::ApplyOutcome::BlockNotFound {
+                    missing: (hashes.len() - known) as u32,
+                }
+            };
+            assert_eq!(idx.apply(&removed(worker, &hashes)), expected, "{op:?}");
         }
         Op::Cleared(wi) => {
             let worker = worker_of(*wi);
@@ -497,5 +509,137 @@ proptest! {
     #[test]
     fn arbitrary_bytes_never_panic_the_decoder(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let _ = decode_dump(&bytes, &DecodeLimits::default());
+    }
+}
+
+/// An operation of the capacity test: the event-fed ones, or a (re)declared capacity.
+#[derive(Clone, Debug)]
+enum CapOp {
+    Event(Op),
+    SetCapacity(u8, Option<u8>),
+}
+
+fn cap_op_strategy() -> impl Strategy<Value = CapOp> {
+    prop_oneof![
+        12 => op_strategy().prop_map(CapOp::Event),
+        1 => (any::<u8>(), prop::option::of(1u8..6)).prop_map(|(w, c)| CapOp::SetCapacity(w, c)),
+    ]
+}
+
+/// Brings `model` down to what `idx` still holds (its capacity evictions), checking that
+/// every evicted block was a leaf of what its worker keeps, and returns the number of
+/// blocks evicted per worker.
+fn restrict_to_retained(model: &mut Model, idx: &KvIndex) -> BTreeMap<WorkerKey, u64> {
+    let mut evicted = BTreeMap::new();
+    for (&worker, mw) in &mut model.workers {
+        let gone: Vec<Vec<u64>> = mw
+            .owned
+            .iter()
+            .filter(|p| !idx.primary().holds(worker, &q(p)))
+            .cloned()
+            .collect();
+        for p in &gone {
+            mw.owned.remove(p);
+            mw.map.retain(|_, v| v != p);
+        }
+        for p in &gone {
+            let child_kept = mw
+                .owned
+                .iter()
+                .any(|c| c.len() == p.len() + 1 && c.starts_with(p));
+            assert!(!child_kept, "{worker:?} lost {p:?} but kept a child of it");
+        }
+        *evicted.entry(worker).or_insert(0) += gone.len() as u64;
+    }
+    model
+        .workers
+        .retain(|_, mw| !mw.owned.is_empty() || !mw.map.is_empty());
+    evicted
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// `total_kv_blocks` bounds a worker's blocks: the bound holds after every operation,
+    /// evictions take only blocks whose children the worker no longer holds, and queries
+    /// answer like the model restricted to the retained blocks (with the evicted blocks'
+    /// hashes forgotten, so later removals and parents agree too). The evictions counted
+    /// per worker are exactly the blocks that went.
+    #[test]
+    fn capacity_bounded_index_matches_model_restricted_to_retained_blocks(
+        caps in prop::collection::vec(prop::option::of(1u8..6), 6),
+        ops in prop::collection::vec(cap_op_strategy(), 1..60),
+        queries in prop::collection::vec(prop::collection::vec(0u8..3, 0..6), 1..8),
+        hashes in Hashes::any(),
+    ) {
+        let mut model = Model::default();
+        let mut idx = KvIndex::with_block_size(4);
+        let mut out = OverlapScores::new();
+        let mut declared: BTreeMap<WorkerKey, u32> = BTreeMap::new();
+        let mut counted: BTreeMap<WorkerKey, u64> = BTreeMap::new();
+        let mut total = 0;
+        for (i, cap) in caps.iter().enumerate() {
+            if let Some(c) = cap {
+                let worker = worker_of(i as u8);
+                idx.set_capacity(worker, Some(u32::from(*c)));
+                declared.insert(worker, u32::from(*c));
+                counted.insert(worker, 0);
+            }
+        }
+        for op in &ops {
+            match op {
+                CapOp::Event(op) => {
+                    apply(&mut model, &mut idx, op, hashes);
+                    match op {
+                        Op::RemoveWorkerId(wi) => {
+                            let id = worker_of(*wi).worker_id;
+                            declared.retain(|k, _| k.worker_id != id);
+                            counted.retain(|k, _| k.worker_id != id);
+                        }
+                        Op::RemoveRank(wi) => {
+                            declared.remove(&worker_of(*wi));
+                            counted.remove(&worker_of(*wi));
+                        }
+                        _ => {}
+                    }
+                }
+                CapOp::SetCapacity(wi, c) => {
+                    let worker = worker_of(*wi);
+                    idx.set_capacity(worker, c.map(u32::from));
+                    match c {
+                        Some(c) => {
+                            declared.insert(worker, u32::from(*c));
+                            counted.entry(worker).or_insert(0);
+                        }
+                        None => {
+                            declared.remove(&worker);
+                            counted.remove(&worker);
+                        }
+                    }
+                }
+            }
+            for (worker, n) in restrict_to_retained(&mut model, &idx) {
+                total += n;
+                if n > 0 {
+                    prop_assert!(declared.contains_key(&worker), "{:?} evicted without a capacity", worker);
+                    *counted.entry(worker).or_insert(0) += n;
+                }
+            }
+            for (&worker, &limit) in &declared {
+                prop_assert!(idx.primary().worker_blocks(worker) <= limit, "{:?} over {} after {:?}", worker, limit, op);
+            }
+            let reported: BTreeMap<WorkerKey, u64> = idx.primary().capacity_evictions().collect();
+            prop_assert_eq!(&reported, &counted, "after {:?}", op);
+            prop_assert_eq!(idx.counters().capacity_evicted, total);
+            for query in queries_of(&model, &queries) {
+                prop_assert_eq!(index_scores(&idx, &query, &mut out), model.scores(&query), "query {:?} after {:?}", query, op);
+                check_last_external(&out, &query, hashes);
+            }
+        }
+        for id in 0..3 {
+            idx.remove_worker(WorkerId(id));
+        }
+        prop_assert_eq!(idx.primary_stats(), kv_index::PrefixIndexStats::default());
+        prop_assert_eq!(idx.primary().capacity_evictions().count(), 0);
     }
 }

@@ -12,7 +12,7 @@ use load_accounting::{Ledger, LedgerConfig};
 use parking_lot::{Mutex, RwLock};
 use selection_policy::{PickRng, Policy, PoolLabel};
 
-use super::partition::{Partition, index_config, records_decisions};
+use super::partition::{CapacityLog, Partition, index_config, records_decisions};
 use super::{SelectionCore, clock_seed, no_schedulable};
 use crate::admission::PartitionQueue;
 use crate::catalog::{
@@ -43,6 +43,39 @@ pub(super) fn check_partition(
         ));
     }
     Ok(())
+}
+
+/// Bounds every rank of `record` in the partition's index by its `total_kv_blocks` (0 or
+/// absent: no bound), after the listeners were reconciled (a restarted rank starts from an
+/// empty state without one). Event-fed partitions only: an approximate index is bounded by
+/// its TTL.
+fn declare_capacity(p: &Partition, record: &WorkerRequest) {
+    let blocks = record
+        .total_kv_blocks
+        .filter(|&n| n > 0)
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    if blocks.is_some() {
+        p.capacity_declared.store(true, Ordering::Relaxed);
+    } else if !p.capacity_declared.load(Ordering::Relaxed) {
+        // Nothing here was ever bounded: nothing to withdraw, no write lock to take.
+        return;
+    }
+    let mut index = p.index.write();
+    let mut evicted = 0u64;
+    for rank in record.dp_ranks() {
+        evicted += u64::from(index.set_capacity(WorkerKey::new(record.worker_id, rank), blocks));
+    }
+    drop(index);
+    if evicted > 0 {
+        tracing::warn!(
+            worker_id = record.worker_id,
+            partition = %p.key.for_log(),
+            total_kv_blocks = blocks,
+            evicted,
+            "the worker's ranks held more blocks than its total_kv_blocks: the oldest were \
+             evicted from the index"
+        );
+    }
 }
 
 impl SelectionCore {
@@ -112,6 +145,9 @@ impl SelectionCore {
                 self.ingress.detach_worker(WorkerId(record.worker_id));
                 reasons.push(format!("reconciliation failed: {e}"));
             }
+        }
+        if let (true, Some(p)) = (reasons.is_empty() && use_kv_events, &partition) {
+            declare_capacity(p, &record);
         }
         let lifecycle = if reasons.is_empty() {
             Lifecycle::Schedulable
@@ -340,6 +376,8 @@ impl SelectionCore {
                 .map(|ttl| SessionTable::new(ttl, self.config.replica_id, clock_seed())),
             adoptable: AtomicBool::new(false),
             routing: RoutingStats::default(),
+            capacity_declared: AtomicBool::new(false),
+            capacity_log: Mutex::new(CapacityLog::default()),
         }
     }
 

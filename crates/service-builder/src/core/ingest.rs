@@ -1,8 +1,11 @@
 //! KV operations from the listeners (and the replay tool) into the partition indexes.
 
-use kv_types::KvOperation;
+use std::sync::atomic::Ordering;
+
+use kv_types::{KvOperation, KvOperationKind, WorkerKey};
 
 use super::SelectionCore;
+use super::partition::Partition;
 use crate::catalog::PartitionKey;
 use crate::ingress::IngressSink;
 
@@ -21,10 +24,47 @@ impl SelectionCore {
         let Some(p) = self.partition(partition) else {
             return;
         };
+        let mut stored = None;
         for op in ops {
             // Short write sections, unlocked fairly: a lookup waits behind at most one piece
             // of one event, never behind a whole batch or a writer that re-locks at once.
             kv_index::apply_fairly(&p.index, op);
+            if stored.is_none() && matches!(op.kind, KvOperationKind::Stored { .. }) {
+                stored = Some(op.worker);
+            }
+        }
+        if let Some(worker) = stored
+            && p.capacity_declared.load(Ordering::Relaxed)
+        {
+            warn_capacity_evictions(&p, worker);
         }
     }
+}
+
+/// Warns, rate-limited, when the index evicted blocks because a worker rank exceeded its
+/// `total_kv_blocks`: an engine cannot hold more than its capacity, so the excess was
+/// state whose removal events were lost. Names the rank of the batch just applied, which
+/// is the one that stored (other listeners of the partition may have evicted too; the
+/// per-rank counter in `/metrics` tells them apart).
+fn warn_capacity_evictions(p: &Partition, worker: WorkerKey) {
+    let (total, rank_total) = {
+        let index = p.index.read();
+        (
+            index.counters().capacity_evicted,
+            index.primary().capacity_evicted(worker),
+        )
+    };
+    let Some(evicted) = p.capacity_log.lock().due(total) else {
+        return;
+    };
+    tracing::warn!(
+        partition = %p.key.for_log(),
+        worker_id = worker.worker_id.0,
+        dp_rank = worker.dp_rank.0,
+        evicted,
+        rank_evicted_total = rank_total,
+        "a worker rank stored more blocks than its total_kv_blocks: its oldest blocks were \
+         evicted from the index (their Removed events were lost); further warnings are \
+         rate-limited, kv_select_index_capacity_evictions_total counts them all"
+    );
 }

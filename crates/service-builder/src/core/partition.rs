@@ -55,6 +55,34 @@ pub(crate) struct Partition {
     pub(super) adoptable: AtomicBool,
     /// Routing-loss counters of the bookings selections made here.
     pub(crate) routing: RoutingStats,
+    /// Some worker rank here declared `total_kv_blocks`: only then does applying events
+    /// look for capacity evictions to warn about.
+    pub(super) capacity_declared: AtomicBool,
+    /// The index's capacity evictions already reported, and how many reports were due.
+    pub(super) capacity_log: Mutex<CapacityLog>,
+}
+
+/// Rate limit of the capacity-eviction warning: the first three batches that evict, then
+/// only the ones whose count is a power of two, so a worker whose removals are lost for
+/// hours cannot flood the log (the counter in `/metrics` has the full story).
+#[derive(Debug, Default)]
+pub(super) struct CapacityLog {
+    pub(super) reported: u64,
+    pub(super) occurrences: u64,
+}
+
+impl CapacityLog {
+    /// Records that the index's evictions reached `total`; the blocks evicted since the last
+    /// call when they are due a warning.
+    pub(super) fn due(&mut self, total: u64) -> Option<u64> {
+        if total <= self.reported {
+            return None;
+        }
+        let new = total - self.reported;
+        self.reported = total;
+        self.occurrences += 1;
+        (self.occurrences <= 3 || self.occurrences.is_power_of_two()).then_some(new)
+    }
 }
 
 impl SelectScratch {

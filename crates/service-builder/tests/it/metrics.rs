@@ -469,3 +469,124 @@ fn an_unreachable_publisher_shows_until_it_answers() {
     );
     c.shutdown();
 }
+
+/// A rank that declared `total_kv_blocks` never holds more blocks than that in the index:
+/// the excess is evicted (oldest first) and counted per rank, and a lower declaration
+/// evicts at once. The partition's size gauges follow.
+#[test]
+fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
+    use kv_types::{
+        BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier, StoredBlock,
+    };
+    let (_ctx, _publisher, endpoint) = bound_publisher();
+    let c = core(CoreConfig {
+        rng_seed: Some(3),
+        ..CoreConfig::default()
+    });
+    c.upsert_worker(WorkerRequest {
+        kv_events_endpoint: Some(endpoint),
+        total_kv_blocks: Some(4),
+        ..worker(2)
+    })
+    .unwrap();
+    let mut registry = Registry::default();
+    c.register_metrics(&mut registry);
+    let rank = WorkerKey::new(2, 0);
+    // Three chains of three blocks, each from the root: nine blocks for a rank of four.
+    let ops: Vec<KvOperation> = (0..3u64)
+        .map(|chain| KvOperation {
+            worker: rank,
+            tier: StorageTier::Device,
+            event_id: chain,
+            kind: KvOperationKind::Stored {
+                parent_hash: None,
+                blocks: (0..3u64)
+                    .map(|i| {
+                        let h = 100 * (chain + 1) + i;
+                        StoredBlock::new(ExternalHash(h), BlockHash(h))
+                    })
+                    .collect(),
+            },
+        })
+        .collect();
+    let partition = service_builder::PartitionKey::new("default", "default");
+    c.apply_events(&partition, &ops);
+    let text = encode(&registry);
+    has(
+        &text,
+        r#"kv_select_index_capacity_evictions_total{worker_id="2",dp_rank="0"} 5"#,
+    );
+    has(
+        &text,
+        r#"kv_select_index_memberships{model_name="default",routing_group="default",tier="device"} 4"#,
+    );
+    has(
+        &text,
+        r#"kv_select_index_blocks{model_name="default",routing_group="default"} 4"#,
+    );
+    let bytes: u64 = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                r#"kv_select_index_estimated_bytes{model_name="default",routing_group="default"} "#,
+            )
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no estimated bytes in:\n{text}"));
+    assert!(bytes > 0, "{text}");
+    let counters = c.index_counters()[0].1;
+    assert_eq!(counters.capacity_evicted, 5);
+
+    // A lower declaration evicts at once.
+    c.patch_worker(
+        2,
+        service_builder::WorkerPatch {
+            total_kv_blocks: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let text = encode(&registry);
+    has(
+        &text,
+        r#"kv_select_index_capacity_evictions_total{worker_id="2",dp_rank="0"} 7"#,
+    );
+    has(
+        &text,
+        r#"kv_select_index_memberships{model_name="default",routing_group="default",tier="device"} 2"#,
+    );
+    // Registered again without it: no bound, no count.
+    let mut again = c.list_workers(None, None).remove(0).worker;
+    again.total_kv_blocks = None;
+    c.upsert_worker(again).unwrap();
+    c.apply_events(&partition, &ops);
+    let text = encode(&registry);
+    assert!(
+        !text.contains("kv_select_index_capacity_evictions_total{"),
+        "{text}"
+    );
+    has(
+        &text,
+        r#"kv_select_index_memberships{model_name="default",routing_group="default",tier="device"} 9"#,
+    );
+    // Bounded again, then gone with the worker.
+    c.patch_worker(
+        2,
+        service_builder::WorkerPatch {
+            total_kv_blocks: Some(3),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    has(
+        &encode(&registry),
+        r#"kv_select_index_capacity_evictions_total{worker_id="2",dp_rank="0"} 6"#,
+    );
+    c.delete_worker(2).unwrap();
+    let text = encode(&registry);
+    assert!(
+        !text.contains("kv_select_index_capacity_evictions_total{"),
+        "{text}"
+    );
+    c.shutdown();
+}

@@ -1,0 +1,292 @@
+//! The bookkeeping behind a worker key's declared capacity (`total_kv_blocks`): which of
+//! its blocks to evict when it holds more than the capacity, oldest first and leaf-first.
+//!
+//! An engine cannot cache more blocks than it has, so blocks beyond its capacity are state
+//! whose `Removed` event was lost; without a bound they stay in the index for as long as
+//! the worker lives. The trie ([`crate::PrefixIndex`]) owns the blocks and does the
+//! eviction; this module only decides the order, from node ids and the few facts about
+//! them the trie passes in (is a node still held by this worker, what is its parent).
+//!
+//! # Cost while nothing is evicted
+//! One `VecDeque` push of a 4-byte node id per block the worker gains, and an occasional
+//! compaction that drops ids of blocks it no longer holds. Nothing per lost block.
+//!
+//! # Leaf-first
+//! Evicting a block that still has a child held by the same worker would cut that child's
+//! chain off (a hole no engine leaves), so only blocks without such a child are evicted.
+//! Knowing that needs the worker's child count per block, which the trie cannot give
+//! cheaply (branch children sit in a hash map keyed by child). The counts are therefore
+//! built from the gain order the first time the worker exceeds its capacity, kept exact
+//! from then on by every gain and loss, and dropped again once the worker is well below its
+//! capacity (its removals arrive again), so only a worker that is losing removals pays a
+//! hash update per block.
+//!
+//! # Order
+//! Candidates come from the front of the gain order (oldest first). A candidate that still
+//! has a child of this worker is put on a stack and retried before the next candidate, so
+//! the oldest chain is evicted from its leaf back to its root (children are gained after
+//! their parents, hence lie after them in the order) before anything younger.
+
+use std::collections::VecDeque;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+/// Gain order, held candidates and (while evicting) child counts of one worker key.
+#[derive(Debug, Clone)]
+pub(crate) struct Capacity {
+    limit: u32,
+    /// Node ids in the order the worker gained them. May hold ids of blocks it no longer
+    /// holds (skipped when met) and, after a block was lost and gained again, an id twice.
+    order: VecDeque<u32>,
+    /// Candidates taken from `order` that had a child of this worker when met; retried
+    /// from the top.
+    held: Vec<u32>,
+    /// Per node, the number of its children this worker holds (absent = 0). `Some` only
+    /// while the worker evicts; exact whenever `Some`.
+    kids: Option<FxHashMap<u32, u32>>,
+}
+
+/// Ids kept in the gain order beyond twice the held blocks before it is compacted.
+const SLACK: usize = 64;
+
+impl Capacity {
+    pub(crate) fn new(limit: u32) -> Self {
+        Capacity {
+            limit,
+            order: VecDeque::new(),
+            held: Vec::new(),
+            kids: None,
+        }
+    }
+
+    /// The declared number of blocks.
+    pub(crate) fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    pub(crate) fn set_limit(&mut self, limit: u32) {
+        self.limit = limit;
+    }
+
+    /// The worker gained `node`, a child of `parent`.
+    #[inline]
+    pub(crate) fn gained(&mut self, node: u32, parent: u32) {
+        self.order.push_back(node);
+        if let Some(kids) = &mut self.kids {
+            *kids.entry(parent).or_insert(0) += 1;
+        }
+    }
+
+    /// Whether losses must be reported through [`Capacity::lost`] (only while evicting).
+    #[inline]
+    pub(crate) fn counting(&self) -> bool {
+        self.kids.is_some()
+    }
+
+    /// The worker lost a block whose parent is `parent`.
+    #[inline]
+    pub(crate) fn lost(&mut self, parent: u32) {
+        if let Some(kids) = &mut self.kids
+            && let Some(n) = kids.get_mut(&parent)
+        {
+            *n -= 1;
+            if *n == 0 {
+                kids.remove(&parent);
+            }
+        }
+    }
+
+    /// Drops the child counts once the worker holds at most three quarters of its capacity
+    /// (`held` blocks): its removals arrive again, so its gains and losses go back to
+    /// costing nothing here. Rebuilding them takes at least a quarter of the capacity in
+    /// new gains, so the rebuilds cost O(1) per gain.
+    pub(crate) fn relax(&mut self, held: u32) {
+        if self.kids.is_some() && u64::from(held) * 4 <= u64::from(self.limit) * 3 {
+            self.kids = None;
+        }
+    }
+
+    /// Compacts the gain order when stale ids outnumber the held blocks (`held`): keeps the
+    /// ids of nodes that `holds`, in order, and only the first of repeated ones. Amortized
+    /// O(1) per gain.
+    pub(crate) fn maybe_compact(&mut self, held: u32, holds: impl Fn(u32) -> bool) {
+        if self.order.len() + self.held.len() <= 2 * held as usize + SLACK {
+            return;
+        }
+        self.held.retain(|&n| holds(n));
+        self.order.retain(|&n| holds(n));
+        // Every held node has an id here, so any excess is repeats (a block lost and
+        // gained again since the last compaction): rare, and only then a set is built.
+        if self.order.len() + self.held.len() > held as usize {
+            let mut seen = FxHashSet::default();
+            self.held.retain(|&n| seen.insert(n));
+            self.order.retain(|&n| seen.insert(n));
+        }
+    }
+
+    /// Forgets the gain order: the worker holds nothing any more.
+    pub(crate) fn clear(&mut self) {
+        self.order.clear();
+        self.held.clear();
+        self.kids = None;
+    }
+
+    /// The next block to evict: the oldest candidate without a child of this worker.
+    /// `holds(node)` says whether the worker still holds a node, `parent(node)` gives its
+    /// parent. `None` only when the worker holds nothing this bookkeeping knows of.
+    pub(crate) fn victim(
+        &mut self,
+        holds: impl Fn(u32) -> bool,
+        parent: impl Fn(u32) -> u32,
+    ) -> Option<u32> {
+        if self.kids.is_none() {
+            self.count_kids(&holds, &parent);
+        }
+        let kids = self.kids.as_ref()?;
+        let leaf = |n: u32| !kids.contains_key(&n);
+        loop {
+            if let Some(&top) = self.held.last() {
+                if !holds(top) {
+                    self.held.pop();
+                    continue;
+                }
+                if leaf(top) {
+                    self.held.pop();
+                    return Some(top);
+                }
+            }
+            match self.order.pop_front() {
+                Some(n) if !holds(n) => {}
+                Some(n) if leaf(n) => return Some(n),
+                Some(n) => self.held.push(n),
+                None => break,
+            }
+        }
+        // Every candidate is held and the top one still has a child: the child was gained
+        // earlier than its parent (the parent was lost and gained again). Any held leaf
+        // will do; the deepest-held candidates are the youngest.
+        self.held.retain(|&n| holds(n));
+        let i = self.held.iter().rposition(|&n| leaf(n))?;
+        Some(self.held.remove(i))
+    }
+
+    /// Builds the child counts from the gain order, dropping stale and repeated ids.
+    fn count_kids(&mut self, holds: &impl Fn(u32) -> bool, parent: &impl Fn(u32) -> u32) {
+        let mut seen = FxHashSet::default();
+        self.held.retain(|&n| holds(n) && seen.insert(n));
+        self.order.retain(|&n| holds(n) && seen.insert(n));
+        let mut kids = FxHashMap::default();
+        for &n in self.held.iter().chain(&self.order) {
+            *kids.entry(parent(n)).or_insert(0) += 1;
+        }
+        self.kids = Some(kids);
+    }
+
+    /// The child counts, while evicting (for the trie's invariant checks).
+    #[cfg(test)]
+    pub(crate) fn child_counts(&self) -> Option<&FxHashMap<u32, u32>> {
+        self.kids.as_ref()
+    }
+
+    /// Bytes allocated by this bookkeeping.
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.order.capacity() * std::mem::size_of::<u32>()
+            + self.held.capacity() * std::mem::size_of::<u32>()
+            + self.kids.as_ref().map_or(0, |k| {
+                k.capacity() * (std::mem::size_of::<(u32, u32)>() + 1)
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tree given as `parent[node]`; `held` marks the worker's blocks.
+    struct Tree {
+        parent: Vec<u32>,
+        held: Vec<bool>,
+    }
+
+    impl Tree {
+        /// Evicts through `cap` until nothing is held, returning the order.
+        fn drain(&mut self, cap: &mut Capacity) -> Vec<u32> {
+            let mut out = Vec::new();
+            loop {
+                let (held, parent) = (&self.held, &self.parent);
+                let Some(v) = cap.victim(|n| held[n as usize], |n| parent[n as usize]) else {
+                    break;
+                };
+                assert!(self.held[v as usize], "evicted {v} twice");
+                let has_held_child =
+                    (0..self.parent.len()).any(|c| self.held[c] && self.parent[c] == v);
+                assert!(!has_held_child, "{v} evicted before its child");
+                self.held[v as usize] = false;
+                cap.lost(self.parent[v as usize]);
+                out.push(v);
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn oldest_chain_goes_leaf_first_then_the_next() {
+        // 0 is the root; chain 1-2-3 then chain 4-5, both under the root, then 6 under 2.
+        let mut tree = Tree {
+            parent: vec![0, 0, 1, 2, 0, 4, 2],
+            held: vec![false, true, true, true, true, true, true],
+        };
+        let mut cap = Capacity::new(2);
+        for n in 1..=6 {
+            cap.gained(n, tree.parent[n as usize]);
+        }
+        // 3 (the leaf of the oldest chain), then 2 waits for 6, which is younger than 4-5.
+        assert_eq!(tree.drain(&mut cap), [3, 5, 4, 6, 2, 1]);
+    }
+
+    #[test]
+    fn stale_and_repeated_ids_are_skipped_and_compacted() {
+        let mut tree = Tree {
+            parent: vec![0, 0, 1],
+            held: vec![false, true, true],
+        };
+        let mut cap = Capacity::new(1);
+        for _ in 0..100 {
+            cap.gained(1, 0);
+            cap.gained(2, 1);
+        }
+        cap.maybe_compact(2, |n| tree.held[n as usize]);
+        assert_eq!(cap.order.len(), 2);
+        assert_eq!(tree.drain(&mut cap), [2, 1]);
+    }
+
+    #[test]
+    fn a_parent_gained_after_its_child_is_still_evicted_after_it() {
+        // 2 under 1; 1 was lost and gained again, so it comes after 2 in the order.
+        let mut tree = Tree {
+            parent: vec![0, 0, 1],
+            held: vec![false, true, true],
+        };
+        let mut cap = Capacity::new(1);
+        cap.gained(2, 1);
+        cap.gained(1, 0);
+        assert_eq!(tree.drain(&mut cap), [2, 1]);
+    }
+
+    #[test]
+    fn counts_are_dropped_well_below_the_limit() {
+        let mut cap = Capacity::new(4);
+        let held = [false, true, true];
+        cap.gained(1, 0);
+        cap.gained(2, 1);
+        assert_eq!(
+            cap.victim(|n| held[n as usize], |n| n.saturating_sub(1)),
+            Some(2)
+        );
+        assert!(cap.counting());
+        cap.relax(4);
+        assert!(cap.counting());
+        cap.relax(3);
+        assert!(!cap.counting());
+    }
+}
