@@ -144,8 +144,39 @@ pub type LoadsQuery = WorkerQuery;
 // Wire structs (prompt fields inline) and conversions
 // ---------------------------------------------------------------------------------------------
 
+/// Declares a wire struct with the prompt members (§3) first, under the names
+/// [`prompt_input!`] moves out of it. Inline rather than `#[serde(flatten)]`: flattening
+/// buffers every member into an intermediate map before typing it, which costs the fast
+/// path and loses the field paths of error messages.
+macro_rules! with_prompt_members {
+    ($(#[$attr:meta])* $vis:vis struct $name:ident { $($members:tt)* }) => {
+        $(#[$attr])*
+        $vis struct $name {
+            #[serde(default)]
+            token_ids: Option<Vec<u32>>,
+            #[serde(default)]
+            mm_routing_info: Option<MmRoutingInfo>,
+            #[serde(default, deserialize_with = "de_block_mm_infos")]
+            block_mm_infos: Vec<Option<BlockMmInfo>>,
+            #[serde(default, deserialize_with = "de_opt_signed")]
+            block_hashes: Option<Vec<u64>>,
+            #[serde(default, deserialize_with = "de_opt_signed")]
+            sequence_hashes: Option<Vec<u64>>,
+            #[serde(default)]
+            isl_tokens: Option<u64>,
+            #[serde(default)]
+            lora_name: Option<String>,
+            #[serde(default)]
+            cache_salt: Option<String>,
+            #[serde(default)]
+            is_eagle: Option<bool>,
+            $($members)*
+        }
+    };
+}
+
 /// The prompt members (§3) of a wire struct, moved into the service's [`PromptInput`]; the
-/// three wire structs list them inline under the same names.
+/// wire structs declare them with [`with_prompt_members!`].
 macro_rules! prompt_input {
     ($wire:ident) => {
         PromptInput {
@@ -162,29 +193,11 @@ macro_rules! prompt_input {
     };
 }
 
+with_prompt_members! {
 /// `/select` and `/select_and_reserve` bodies.
 #[derive(Deserialize)]
 #[cfg_attr(test, derive(Debug, PartialEq))]
 pub(crate) struct WireSelection {
-    #[serde(default)]
-    token_ids: Option<Vec<u32>>,
-    #[serde(default)]
-    mm_routing_info: Option<MmRoutingInfo>,
-    #[serde(default, deserialize_with = "de_block_mm_infos")]
-    block_mm_infos: Vec<Option<BlockMmInfo>>,
-    #[serde(default, deserialize_with = "de_opt_signed")]
-    block_hashes: Option<Vec<u64>>,
-    #[serde(default, deserialize_with = "de_opt_signed")]
-    sequence_hashes: Option<Vec<u64>>,
-    #[serde(default)]
-    isl_tokens: Option<u64>,
-    #[serde(default)]
-    lora_name: Option<String>,
-    #[serde(default)]
-    cache_salt: Option<String>,
-    #[serde(default)]
-    is_eagle: Option<bool>,
-
     #[serde(default = "default_name")]
     model_name: String,
     #[serde(default = "default_name")]
@@ -213,6 +226,7 @@ pub(crate) struct WireSelection {
     routing_constraints: Option<RoutingConstraints>,
     #[serde(default)]
     advisory: Option<bool>,
+}
 }
 
 impl WireSelection {
@@ -269,27 +283,9 @@ impl WireSelection {
     }
 }
 
+with_prompt_members! {
 #[derive(Deserialize)]
 pub(crate) struct WireReservation {
-    #[serde(default)]
-    token_ids: Option<Vec<u32>>,
-    #[serde(default)]
-    mm_routing_info: Option<MmRoutingInfo>,
-    #[serde(default, deserialize_with = "de_block_mm_infos")]
-    block_mm_infos: Vec<Option<BlockMmInfo>>,
-    #[serde(default, deserialize_with = "de_opt_signed")]
-    block_hashes: Option<Vec<u64>>,
-    #[serde(default, deserialize_with = "de_opt_signed")]
-    sequence_hashes: Option<Vec<u64>>,
-    #[serde(default)]
-    isl_tokens: Option<u64>,
-    #[serde(default)]
-    lora_name: Option<String>,
-    #[serde(default)]
-    cache_salt: Option<String>,
-    #[serde(default)]
-    is_eagle: Option<bool>,
-
     #[serde(default = "default_name")]
     model_name: String,
     #[serde(default = "default_name")]
@@ -307,6 +303,7 @@ pub(crate) struct WireReservation {
     effective_prefill_tokens: Option<u64>,
     #[serde(default)]
     track_prefill_tokens: Option<bool>,
+}
 }
 
 impl WireReservation {
@@ -326,33 +323,16 @@ impl WireReservation {
     }
 }
 
+with_prompt_members! {
 #[derive(Deserialize)]
 pub(crate) struct WirePromptQuery {
-    #[serde(default)]
-    token_ids: Option<Vec<u32>>,
-    #[serde(default)]
-    mm_routing_info: Option<MmRoutingInfo>,
-    #[serde(default, deserialize_with = "de_block_mm_infos")]
-    block_mm_infos: Vec<Option<BlockMmInfo>>,
-    #[serde(default, deserialize_with = "de_opt_signed")]
-    block_hashes: Option<Vec<u64>>,
-    #[serde(default, deserialize_with = "de_opt_signed")]
-    sequence_hashes: Option<Vec<u64>>,
-    #[serde(default)]
-    isl_tokens: Option<u64>,
-    #[serde(default)]
-    lora_name: Option<String>,
-    #[serde(default)]
-    cache_salt: Option<String>,
-    #[serde(default)]
-    is_eagle: Option<bool>,
-
     #[serde(default = "default_name")]
     model_name: String,
     #[serde(default = "default_name")]
     routing_group: String,
     #[serde(default)]
     router_config_override: Option<RouterConfigOverride>,
+}
 }
 
 impl WirePromptQuery {
