@@ -157,28 +157,35 @@ impl Picker {
             None => None,
         };
         let isl_estimate = (input.body.len() as u64 / 4).max(1);
-        let result = match tokens {
+        // Why the pick goes by load alone, counted only once it is a pick: a 503 or 429 is
+        // counted by its outcome, not as a load-only pick.
+        let (result, load_only) = match tokens {
             Ok(token_ids) => {
                 let prompt = PromptInput {
                     token_ids: Some(token_ids),
                     ..PromptInput::default()
                 };
                 match self.book(&partition, prompt, allowed.clone()).await {
-                    Err(BookError::PromptRejected) => {
-                        self.metrics.load_only(LoadOnlyReason::PromptRejected);
+                    Err(BookError::PromptRejected) => (
                         self.book(&partition, load_only_prompt(isl_estimate), allowed)
-                            .await
-                    }
-                    other => other,
+                            .await,
+                        Some(LoadOnlyReason::PromptRejected),
+                    ),
+                    other => (other, None),
                 }
             }
             Err(reason) => {
-                self.metrics.load_only(reason);
                 tracing::debug!(reason = reason.as_str(), "routing by load only");
-                self.book(&partition, load_only_prompt(isl_estimate), allowed)
-                    .await
+                (
+                    self.book(&partition, load_only_prompt(isl_estimate), allowed)
+                        .await,
+                    Some(reason),
+                )
             }
         };
+        if let (Ok(_), Some(reason)) = (&result, load_only) {
+            self.metrics.load_only(reason);
+        }
         let mut result = result.map_err(|e| match e {
             BookError::Pick(p) => p,
             BookError::PromptRejected => {

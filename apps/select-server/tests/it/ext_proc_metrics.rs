@@ -103,6 +103,9 @@ fn picks_refusals_load_only_reasons_tokenize_time_and_stream_events_are_counted(
         // No worker yet: 503.
         let (_, r) = request(&mut client, BUFFERED, Some(BODY.as_bytes()), None).await;
         assert_eq!(immediate_status(&r), 503);
+        // A body routed by load alone finds no worker either: a 503, not a load-only pick.
+        let (_, r) = request(&mut client, BUFFERED, Some(b"not json"), None).await;
+        assert_eq!(immediate_status(&r), 503);
         for (id, model) in [(1, "default"), (2, "chat"), (3, "plain")] {
             let (status, body) = call(
                 server.port,
@@ -197,7 +200,7 @@ fn picks_refusals_load_only_reasons_tokenize_time_and_stream_events_are_counted(
     };
     assert_eq!(
         (picks("picked"), picks("unavailable"), picks("shed")),
-        (11.0, 2.0, 1.0),
+        (11.0, 3.0, 1.0),
         "{m}"
     );
     let load_only = |r: &str| {
@@ -238,7 +241,7 @@ fn picks_refusals_load_only_reasons_tokenize_time_and_stream_events_are_counted(
         )
     };
     for (event, n) in [
-        ("opened", 14.0),
+        ("opened", 15.0),
         ("prefill_complete", 10.0),
         ("completed", 10.0),
         ("cancelled", 1.0),
