@@ -122,6 +122,8 @@ pub use primary::{
     OverlapEntry, OverlapScores, PrefixIndex, PrefixIndexStats, RemoveOutcome, SlotDepths,
     StoreOutcome,
 };
-pub use shared::{RestoreReport, STORE_PIECE_BLOCKS, SharedKvIndex, apply_fairly};
+pub use shared::{
+    RestoreReport, STORE_PIECE_BLOCKS, SharedKvIndex, apply_batch_fairly, apply_fairly,
+};
 pub use tiers::{InstanceOverlap, TierHits, TierWeights, TieredMatches};
 pub use ttl::TtlTracker;

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use kv_types::{BlockHash, KvOperation, KvOperationKind, WorkerId, WorkerKey};
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockWriteGuard};
 
 use crate::index::{ApplyCounters, ApplyOutcome, KvIndex, RecordOutcome};
 use crate::primary::OverlapScores;
@@ -16,9 +16,10 @@ use crate::tiers::TieredMatches;
 /// lock for long.
 const EXPIRE_CHUNK: usize = 512;
 
-/// A [`KvIndex`] behind a `parking_lot::RwLock`: every write section covers exactly one
-/// operation (one engine event, one recorded decision, one expiry chunk), so a lookup
-/// waits at most for one short write. See the crate docs for the measurements.
+/// A [`KvIndex`] behind a `parking_lot::RwLock`: every write section is short (one
+/// operation, one recorded decision, one expiry chunk, or up to [`STORE_PIECE_BLOCKS`]
+/// blocks of one batch), so a lookup waits at most for one short write. See the crate docs
+/// for the measurements.
 #[derive(Debug)]
 pub struct SharedKvIndex {
     inner: RwLock<KvIndex>,
@@ -120,6 +121,50 @@ impl SharedKvIndex {
     }
 }
 
+/// Applies one batch's operations, in order, under write sections of at most
+/// [`STORE_PIECE_BLOCKS`] blocks each, handing the lock to waiting threads between sections
+/// ([`parking_lot::RwLockWriteGuard::bump`]: a fair unlock and re-lock, free when nobody
+/// waits). A lookup still waits behind at most one section, but a batch of small events
+/// takes the lock once per section instead of once per event: with two listener threads
+/// writing one partition, a fair unlock per event handed the lock to the other writer each
+/// time, and the futex wake-ups and context switches cost more than the writes. A `Cleared`
+/// event or a store longer than a section gets sections of its own ([`apply_fairly`]).
+pub fn apply_batch_fairly(index: &RwLock<KvIndex>, ops: &[KvOperation]) {
+    let mut guard: Option<RwLockWriteGuard<'_, KvIndex>> = None;
+    let mut section = 0usize;
+    for op in ops {
+        let blocks = match &op.kind {
+            KvOperationKind::Stored { blocks, .. } => blocks.len(),
+            KvOperationKind::Removed { block_hashes } => block_hashes.len(),
+            KvOperationKind::Cleared => usize::MAX,
+        };
+        if blocks > STORE_PIECE_BLOCKS {
+            if let Some(held) = guard.take() {
+                RwLockWriteGuard::unlock_fair(held);
+            }
+            apply_fairly(index, op);
+            continue;
+        }
+        let held = match guard.as_mut() {
+            Some(held) if section + blocks > STORE_PIECE_BLOCKS => {
+                RwLockWriteGuard::bump(held);
+                section = 0;
+                held
+            }
+            Some(held) => held,
+            None => {
+                section = 0;
+                guard.insert(index.write())
+            }
+        };
+        held.apply(op);
+        section += blocks;
+    }
+    if let Some(held) = guard {
+        RwLockWriteGuard::unlock_fair(held);
+    }
+}
+
 /// Applies one operation to a locked index under short write sections: a device store
 /// longer than [`STORE_PIECE_BLOCKS`] goes in pieces ([`KvIndex::apply_stored_piece`]),
 /// and every section ends with a fair unlock, which hands the lock to waiting lookups (an
@@ -139,7 +184,7 @@ pub fn apply_fairly(index: &RwLock<KvIndex>, op: &KvOperation) -> ApplyOutcome {
         for (i, piece) in blocks.chunks(STORE_PIECE_BLOCKS).enumerate() {
             let mut guard = index.write();
             let outcome = guard.apply_stored_piece(op.worker, parent, piece, i == 0);
-            parking_lot::RwLockWriteGuard::unlock_fair(guard);
+            RwLockWriteGuard::unlock_fair(guard);
             if i == 0 {
                 first = outcome;
             }
@@ -152,6 +197,6 @@ pub fn apply_fairly(index: &RwLock<KvIndex>, op: &KvOperation) -> ApplyOutcome {
     }
     let mut guard = index.write();
     let outcome = guard.apply(op);
-    parking_lot::RwLockWriteGuard::unlock_fair(guard);
+    RwLockWriteGuard::unlock_fair(guard);
     outcome
 }

@@ -190,3 +190,56 @@ fn pieced_stores_are_seen_in_whole_pieces_while_workers_come_and_go() {
     let stats = index.read(|i| i.primary_stats());
     assert_eq!((stats.nodes, stats.memberships, stats.workers), (0, 0, 0));
 }
+
+/// A batch applied in shared sections (`apply_batch_fairly`, what the listeners use) leaves
+/// the index exactly as its operations applied one at a time: small stores grouped into one
+/// section, a store longer than a section in pieces of its own, removals, a clear, stores
+/// hanging from blocks of earlier sections, and a store whose parent is unknown.
+#[test]
+fn a_batch_in_sections_equals_its_operations_one_by_one() {
+    let long: Vec<(u64, u64)> = (0..(2 * STORE_PIECE_BLOCKS as u64 + 5))
+        .map(|i| (5_000 + i, 50_000 + i))
+        .collect();
+    let mut ops = Vec::new();
+    for k in 0..40u64 {
+        // Chains of 8 blocks under a shared head: 40 stores span several sections.
+        let pairs: Vec<(u64, u64)> = (0..8).map(|i| (1_000 * k + i, 10_000 * k + i)).collect();
+        ops.push(stored(w(k % 3, 0), StorageTier::Device, None, &pairs));
+        if k % 5 == 4 {
+            ops.push(removed(w(k % 3, 0), &[10_000 * k + 7, 10_000 * k + 6]));
+        }
+    }
+    ops.push(stored(w(1, 0), StorageTier::Device, Some(10_000), &long));
+    ops.push(stored(
+        w(2, 0),
+        StorageTier::Device,
+        Some(50_000 + 200),
+        &[(9, 90)],
+    ));
+    ops.push(cleared(w(0, 0)));
+    ops.push(stored(
+        w(0, 0),
+        StorageTier::Device,
+        Some(424_242),
+        &[(1, 2)],
+    ));
+    ops.push(stored(w(0, 0), StorageTier::HostPinned, None, &[(3, 4)]));
+
+    let sections = parking_lot::RwLock::new(KvIndex::with_block_size(16));
+    kv_index::apply_batch_fairly(&sections, &ops);
+    let one_by_one = SharedKvIndex::new(KvIndex::with_block_size(16));
+    for op in &ops {
+        one_by_one.apply(op);
+    }
+    let sections = sections.into_inner();
+    assert_eq!(sections.counters(), one_by_one.counters());
+    assert_eq!(
+        sections.snapshot_operations(),
+        one_by_one.snapshot_operations()
+    );
+    assert!(
+        sections.counters().stored_ok > 40,
+        "{:?}",
+        sections.counters()
+    );
+}

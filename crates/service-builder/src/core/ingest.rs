@@ -24,15 +24,13 @@ impl SelectionCore {
         let Some(p) = self.partition(partition) else {
             return;
         };
-        let mut stored = None;
-        for op in ops {
-            // Short write sections, unlocked fairly: a lookup waits behind at most one piece
-            // of one event, never behind a whole batch or a writer that re-locks at once.
-            kv_index::apply_fairly(&p.index, op);
-            if stored.is_none() && matches!(op.kind, KvOperationKind::Stored { .. }) {
-                stored = Some(op.worker);
-            }
-        }
+        // Short write sections, handed over fairly: a lookup waits behind at most one
+        // section of a batch, never behind the whole batch or a writer that re-locks at once.
+        kv_index::apply_batch_fairly(&p.index, ops);
+        let stored = ops
+            .iter()
+            .find(|op| matches!(op.kind, KvOperationKind::Stored { .. }))
+            .map(|op| op.worker);
         if let Some(worker) = stored
             && p.capacity_declared.load(Ordering::Relaxed)
         {
