@@ -138,7 +138,27 @@ impl<'a> Reader<'a> {
     /// Reads `n` ints into `out` (token ids: most of a store's bytes). `Ok(false)` when one
     /// of them is an int outside `u32`; the reader is then left mid-array.
     pub(crate) fn read_u32_seq(&mut self, n: usize, out: &mut Vec<u32>) -> Result<bool, WireError> {
-        for _ in 0..n {
+        out.reserve(n);
+        let mut left = n;
+        // While 8 bytes remain, one load serves all three common encodings: the marker
+        // picks the value out of the big-endian word after it with selects rather than a
+        // jump per id (token ids mix fixint, u16 and u32 unpredictably).
+        while left > 0 {
+            let Some(&[m, b0, b1, b2, b3, ..]) = self.buf.first_chunk::<8>() else {
+                break;
+            };
+            let word = u32::from_be_bytes([b0, b1, b2, b3]);
+            let (v, len) = match m {
+                0x00..=0x7f => (u32::from(m), 1),
+                0xcd => (word >> 16, 3),
+                0xce => (word, 5),
+                _ => break,
+            };
+            out.push(v);
+            self.buf = &self.buf[len..];
+            left -= 1;
+        }
+        for _ in 0..left {
             // Positive fixints (< 128) dominate real token ids only for tiny vocabularies;
             // u16/u32 encodings dominate otherwise, both handled without a function call.
             let v = match *self.buf {
@@ -312,6 +332,51 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The word-at-a-time path of `read_u32_seq` reads what `read_u32` reads one id at a
+    /// time: every encoding an engine may use (fixint, u8, u16, u32, u64, a negative or a
+    /// too-large int), at every distance from the end of the buffer.
+    #[test]
+    fn u32_sequences_read_as_single_ids_do() {
+        let encodings: [&[u8]; 9] = [
+            &[0x05],
+            &[0x7f],
+            &[0xcc, 0x80],
+            &[0xcd, 0x12, 0x34],
+            &[0xce, 0x00, 0x01, 0xe2, 0x40],
+            &[0xce, 0xff, 0xff, 0xff, 0xff],
+            &[0xcf, 0, 0, 0, 0, 0, 0, 0x01, 0x00],
+            &[0xcf, 0, 0, 0, 1, 0, 0, 0, 0],
+            &[0xff],
+        ];
+        for first in 0..encodings.len() {
+            for len in 1..=12 {
+                let ids: Vec<&[u8]> = (0..len)
+                    .map(|k| encodings[(first + k * 7) % encodings.len()])
+                    .collect();
+                let buf: Vec<u8> = ids.concat();
+                let mut one = Reader::new(&buf);
+                let mut want = Vec::new();
+                let mut all = true;
+                for _ in 0..len {
+                    match one.read_u32() {
+                        Ok(Some(v)) => want.push(v),
+                        _ => {
+                            all = false;
+                            break;
+                        }
+                    }
+                }
+                let mut seq = Reader::new(&buf);
+                let mut got = Vec::new();
+                assert_eq!(seq.read_u32_seq(len, &mut got), Ok(all), "{buf:x?}");
+                assert_eq!(got, want, "{buf:x?}");
+                if all {
+                    assert_eq!(seq.remaining(), 0, "{buf:x?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn hostile_lengths_are_rejected_before_iteration() {
