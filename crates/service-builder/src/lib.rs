@@ -85,8 +85,9 @@
 //!   reservation right after a registration never sees a missing rank.
 //! - Hashing happens before any lock; a selection holds the index read lock only for the
 //!   lookup and the ledger lock only while reading projections. Event ingestion takes the
-//!   index write lock per event (per 128-block piece of a long store), never per batch, and
-//!   unlocks fairly so lookups are not starved.
+//!   index write lock once per section of a batch (up to 128 blocks, events in order; a
+//!   longer store gets pieces of its own), never for a whole batch, and hands the lock over
+//!   fairly between sections so lookups are not starved.
 //! - With an admission queue, a selection hashes and looks up its prompt once, before
 //!   admission (the best cached tokens feed WSPT, cached-token limits and ISL buckets), and
 //!   scheduling reuses that lookup; without a queue there is no extra step. A queued
