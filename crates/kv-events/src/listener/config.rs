@@ -1,0 +1,126 @@
+//! What a listener is told and what it tells: its configuration, the sink its batches go
+//! to, why it could not start, and its lifecycle state.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_types::{KvOperation, WorkerKey};
+
+use crate::endpoint::EndpointError;
+use crate::stats::ReasonTotals;
+
+/// Receives the operations of each applied batch, in publisher order. Called from the
+/// listener group's thread; it must not block for long (that group's other listeners wait
+/// meanwhile), and it must not stop listeners of its own group (their stop would wait for
+/// the thread that is calling it: such a stop only requests, see [`KvEventListener::stop`]).
+///
+/// [`KvEventListener::stop`]: crate::KvEventListener::stop
+pub trait KvEventSink: Send + Sync + 'static {
+    /// All operations of one batch (possibly empty when every event was filtered).
+    fn apply(&self, ops: &[KvOperation]);
+}
+
+impl<F> KvEventSink for F
+where
+    F: Fn(&[KvOperation]) + Send + Sync + 'static,
+{
+    fn apply(&self, ops: &[KvOperation]) {
+        self(ops)
+    }
+}
+
+/// Default wait for a replay to finish before it is abandoned.
+pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default cap of one ZMQ frame; a larger message is discarded by libzmq (and the
+/// connection reset), which bounds what a hostile publisher can make us buffer.
+pub const DEFAULT_MAX_MESSAGE_SIZE: i64 = 64 * 1024 * 1024;
+
+/// What one listener connects to and how it hashes.
+#[derive(Clone, Debug)]
+pub struct ListenerConfig {
+    /// Worker id and registered DP rank (the default rank of events).
+    pub worker: WorkerKey,
+    /// The engine's PUB endpoint.
+    pub endpoint: String,
+    /// The engine's ROUTER replay endpoint, if any.
+    pub replay_endpoint: Option<String>,
+    /// The worker's registered block size (> 0), used to re-hash stored tokens.
+    pub block_size: u32,
+    pub replay_timeout: Duration,
+    pub max_message_size: i64,
+    /// When false, the SUB connects immediately but nothing is read until
+    /// [`KvEventListener::open`] (the service's ready gate, §2.3).
+    ///
+    /// [`KvEventListener::open`]: crate::KvEventListener::open
+    pub start_open: bool,
+    /// Watermark to resume from (an unchanged re-registration keeps it); `None` = fresh.
+    pub initial_watermark: Option<u64>,
+    /// Service-wide drop, filter and truncation totals this listener adds to (see
+    /// [`ReasonTotals`]).
+    pub totals: Option<Arc<ReasonTotals>>,
+}
+
+impl ListenerConfig {
+    pub fn new(worker: WorkerKey, endpoint: impl Into<String>, block_size: u32) -> Self {
+        Self {
+            worker,
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            block_size,
+            replay_timeout: DEFAULT_REPLAY_TIMEOUT,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            start_open: true,
+            initial_watermark: None,
+            totals: None,
+        }
+    }
+
+    /// Also counts this listener's drops, filters and truncations into `totals`, shared
+    /// with others.
+    pub fn with_totals(mut self, totals: Arc<ReasonTotals>) -> Self {
+        self.totals = Some(totals);
+        self
+    }
+
+    pub fn with_replay_endpoint(mut self, endpoint: impl Into<String>) -> Self {
+        self.replay_endpoint = Some(endpoint.into());
+        self
+    }
+
+    pub fn with_replay_timeout(mut self, timeout: Duration) -> Self {
+        self.replay_timeout = timeout;
+        self
+    }
+}
+
+/// Why a listener could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ListenerError {
+    #[error("invalid endpoint: {0}")]
+    Endpoint(#[from] EndpointError),
+    #[error("block size must be greater than 0")]
+    ZeroBlockSize,
+    #[error("zmq {operation} failed for {endpoint:?}: {source}")]
+    Zmq {
+        operation: &'static str,
+        endpoint: String,
+        source: zmq::Error,
+    },
+    #[error("could not spawn the listener group's thread: {0}")]
+    Spawn(#[source] std::io::Error),
+    #[error("could not create the listener group's poller: {0}")]
+    Poller(#[source] std::io::Error),
+}
+
+/// Lifecycle of a listener, as the service shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ListenerState {
+    Running,
+    /// The live socket failed; the listener stopped (spec §3).
+    Failed {
+        error: String,
+    },
+    Stopped,
+}
