@@ -1,0 +1,267 @@
+//! Declared capacities (`total_kv_blocks`): a bounded worker key's blocks beyond its bound
+//! are evicted oldest first and leaf first, in the order `crate::capacity` keeps.
+
+use kv_types::WorkerKey;
+
+use super::node::{Memo, NONE};
+use super::trie::PrefixIndex;
+use crate::capacity::Capacity;
+
+impl PrefixIndex {
+    /// Declares (`Some`) or withdraws (`None`) the capacity of `worker` in blocks: from now
+    /// on it never holds more than `blocks` device blocks here. Blocks beyond it are
+    /// evicted at once, and by every later store that would exceed it, oldest first and
+    /// leaf-first (a block goes only when the worker holds none of its children), so a
+    /// worker's chains never lose a middle block to eviction. Returns the blocks evicted
+    /// now. Withdrawing also forgets the key's eviction count.
+    pub fn set_capacity(&mut self, worker: WorkerKey, blocks: Option<u32>) -> u32 {
+        let slot = self.slot_of.get(&worker).copied();
+        let Some(limit) = blocks else {
+            self.limits.remove(&worker);
+            self.evictions.remove(&worker);
+            if let Some(state) = slot.and_then(|s| self.workers[s as usize].as_mut()) {
+                state.cap = None;
+            }
+            return 0;
+        };
+        self.limits.insert(worker, limit);
+        self.evictions.entry(worker).or_insert(0);
+        let Some(slot) = slot else {
+            return 0;
+        };
+        let nodes = &self.nodes;
+        let Some(state) = self.workers[slot as usize].as_mut() else {
+            return 0;
+        };
+        match &mut state.cap {
+            Some(cap) => cap.set_limit(limit),
+            None => {
+                // Blocks held before the declaration have no known age: id order.
+                let mut held: Vec<u32> = state.blocks.iter().copied().collect();
+                held.extend(state.foreign.values().copied());
+                held.retain(|&n| nodes[n as usize].owners.contains(slot));
+                held.sort_unstable();
+                held.dedup();
+                if held.len() < state.owned as usize {
+                    // Blocks held without a hash (an engine reused the hash elsewhere).
+                    held = (1..nodes.len() as u32)
+                        .filter(|&n| {
+                            let node = &nodes[n as usize];
+                            node.parent != NONE && node.owners.contains(slot)
+                        })
+                        .collect();
+                }
+                let mut cap = Capacity::new(limit);
+                for n in held {
+                    cap.gained(n, nodes[n as usize].parent);
+                }
+                state.cap = Some(cap);
+            }
+        }
+        self.enforce_capacity(slot)
+    }
+
+    /// The declared capacity of `worker`, if any.
+    pub fn capacity(&self, worker: WorkerKey) -> Option<u32> {
+        self.limits.get(&worker).copied()
+    }
+
+    /// Blocks evicted so far because a worker key exceeded its declared capacity, all keys
+    /// together (including keys removed since).
+    pub fn capacity_evicted_total(&self) -> u64 {
+        self.evicted_total
+    }
+
+    /// Blocks evicted so far because `worker` exceeded its declared capacity.
+    pub fn capacity_evicted(&self, worker: WorkerKey) -> u64 {
+        self.evictions.get(&worker).copied().unwrap_or(0)
+    }
+
+    /// Blocks evicted so far per worker key with a declared capacity (0 for one that never
+    /// exceeded it), in no particular order.
+    pub fn capacity_evictions(&self) -> impl Iterator<Item = (WorkerKey, u64)> + '_ {
+        self.evictions.iter().map(|(&k, &n)| (k, n))
+    }
+
+    /// Evicts `slot`'s blocks while it holds more than its capacity; returns how many.
+    /// Also compacts its gain order (the only place it grows is a store, which ends here).
+    pub(super) fn enforce_capacity(&mut self, slot: u32) -> u32 {
+        let nodes = &self.nodes;
+        let holds = |n: u32| {
+            nodes
+                .get(n as usize)
+                .is_some_and(|x| x.parent != NONE && x.owners.contains(slot))
+        };
+        let Some(state) = self.workers[slot as usize].as_mut() else {
+            return 0;
+        };
+        let Some(cap) = &mut state.cap else {
+            return 0;
+        };
+        cap.maybe_compact(state.owned, holds);
+        if state.owned <= cap.limit() {
+            return 0;
+        }
+        // Evictions are a different one-slot delta than the store before them.
+        self.memo = Memo::default();
+        let mut evicted = 0;
+        loop {
+            let nodes = &self.nodes;
+            let Some(state) = self.workers[slot as usize].as_mut() else {
+                break;
+            };
+            let Some(cap) = &mut state.cap else {
+                break;
+            };
+            if state.owned <= cap.limit() {
+                break;
+            }
+            let holds = |n: u32| {
+                nodes
+                    .get(n as usize)
+                    .is_some_and(|x| x.parent != NONE && x.owners.contains(slot))
+            };
+            let Some(victim) = cap.victim(holds, |n| nodes[n as usize].parent) else {
+                break;
+            };
+            let parent = nodes[victim as usize].parent;
+            cap.lost(parent);
+            let unmapped = state.unmap(nodes, victim);
+            state.owned -= 1;
+            let n = &mut self.nodes[victim as usize];
+            n.refs -= unmapped;
+            n.owners.remove(slot);
+            self.memberships -= 1;
+            self.owners_changed(victim);
+            self.prune(victim);
+            evicted += 1;
+        }
+        if evicted > 0 {
+            self.versions += 1;
+            if let Some(state) = self.workers[slot as usize].as_mut() {
+                state.version = self.versions;
+                *self.evictions.entry(state.key).or_insert(0) += u64::from(evicted);
+                self.evicted_total += u64::from(evicted);
+            }
+        }
+        evicted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kv_types::{ExternalHash, WorkerKey};
+
+    use crate::primary::node::{NONE, ROOT};
+    use crate::primary::tests::{blocks, q};
+    use crate::{OverlapScores, PrefixIndex, StoreOutcome};
+
+    /// Every block `worker` holds has its parent held too (or is a root child).
+    fn assert_prefix_closed(idx: &PrefixIndex, worker: WorkerKey) {
+        let slot = idx.slot_of[&worker];
+        for (id, n) in idx.nodes.iter().enumerate().skip(1) {
+            if n.parent != NONE && n.owners.contains(slot) && n.parent != ROOT {
+                let p = &idx.nodes[n.parent as usize];
+                assert!(p.owners.contains(slot), "node {id} held without its parent");
+            }
+        }
+    }
+
+    #[test]
+    fn capacity_evicts_the_oldest_chain_leaf_first() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        assert_eq!(idx.set_capacity(w, Some(4)), 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        idx.apply_stored(w, None, &blocks(&[(5, 15), (6, 16)]));
+        idx.check_invariants();
+        assert_eq!(idx.worker_blocks(w), 4);
+        assert_prefix_closed(&idx, w);
+        let mut out = OverlapScores::new();
+        // The oldest chain lost its leaf; the new one is whole.
+        idx.find_matches(&q(&[1, 2, 3]), &mut out);
+        assert_eq!(out.score(w), 2);
+        idx.find_matches(&q(&[5, 6]), &mut out);
+        assert_eq!(out.score(w), 2);
+        assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 1)]);
+        // The evicted block is forgotten by its hash and its node freed.
+        assert_eq!(idx.stats().nodes, 4);
+        assert_eq!(idx.apply_removed(w, &[ExternalHash(13)]).not_found, 1);
+        // A store under a kept block extends it; the oldest leaf (2) goes first.
+        idx.apply_stored(w, Some(ExternalHash(16)), &blocks(&[(7, 17), (8, 18)]));
+        idx.check_invariants();
+        assert_prefix_closed(&idx, w);
+        idx.find_matches(&q(&[1, 2]), &mut out);
+        assert_eq!(out.score(w), 0);
+        idx.find_matches(&q(&[5, 6, 7, 8]), &mut out);
+        assert_eq!(out.score(w), 4);
+        assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 3)]);
+        assert_eq!(idx.capacity_evicted_total(), 3);
+        // One worker: no owner list on the heap, so the estimate is exact.
+        assert_eq!(idx.estimated_bytes(), idx.allocated_bytes());
+    }
+
+    #[test]
+    fn a_store_longer_than_the_capacity_keeps_its_head() {
+        let mut idx = PrefixIndex::new();
+        let (w, other) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        idx.set_capacity(w, Some(3));
+        let chain: Vec<(u64, u64)> = (1..=10).map(|i| (i, 100 + i)).collect();
+        idx.apply_stored(other, None, &blocks(&chain));
+        idx.apply_stored(w, None, &blocks(&chain));
+        idx.check_invariants();
+        assert_prefix_closed(&idx, w);
+        let mut out = OverlapScores::new();
+        idx.find_matches(&q(&(1..=10).collect::<Vec<_>>()), &mut out);
+        assert_eq!((out.score(w), out.score(other)), (3, 10));
+        assert_eq!(idx.worker_blocks(w), 3);
+        assert_eq!(idx.stats().memberships, 13);
+    }
+
+    #[test]
+    fn a_block_stored_under_two_hashes_leaves_no_mapping_when_evicted() {
+        let mut idx = PrefixIndex::new();
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        idx.apply_stored(a, None, &blocks(&[(1, 11)]));
+        // b names the node by two hashes of its own, and by the node's own hash.
+        idx.apply_stored(b, None, &blocks(&[(1, 21)]));
+        idx.apply_stored(b, None, &blocks(&[(1, 22)]));
+        idx.apply_stored(b, None, &blocks(&[(1, 11)]));
+        idx.check_invariants();
+        idx.set_capacity(b, Some(1));
+        idx.apply_stored(b, None, &blocks(&[(2, 23)]));
+        idx.check_invariants();
+        assert_eq!(idx.worker_blocks(b), 1);
+        let removed = idx.apply_removed(b, &[ExternalHash(21), ExternalHash(22), ExternalHash(11)]);
+        assert_eq!((removed.removed, removed.not_found), (0, 3));
+        assert_eq!(
+            idx.apply_stored(b, Some(ExternalHash(21)), &blocks(&[(3, 24)])),
+            StoreOutcome::ParentNotFound
+        );
+        assert!(idx.remove_worker_key(a));
+        // Only b's remaining block is left: no node kept alive by a stale hash.
+        assert_eq!(idx.stats().nodes, 1);
+    }
+
+    #[test]
+    fn declaring_a_capacity_below_what_is_held_evicts_at_once() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        idx.apply_stored(w, Some(ExternalHash(11)), &blocks(&[(4, 14)]));
+        assert_eq!(idx.set_capacity(w, Some(2)), 2);
+        idx.check_invariants();
+        assert_prefix_closed(&idx, w);
+        assert_eq!(idx.worker_blocks(w), 2);
+        // Cleared keeps the declaration; withdrawing it forgets the count.
+        idx.remove_worker_key(w);
+        assert_eq!(idx.capacity(w), Some(2));
+        idx.apply_stored(w, None, &blocks(&[(1, 11), (2, 12), (3, 13)]));
+        assert_eq!(idx.worker_blocks(w), 2);
+        assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 3)]);
+        idx.set_capacity(w, None);
+        assert_eq!(idx.capacity_evictions().count(), 0);
+        idx.apply_stored(w, Some(ExternalHash(12)), &blocks(&[(3, 13), (4, 14)]));
+        assert_eq!(idx.worker_blocks(w), 4);
+    }
+}
