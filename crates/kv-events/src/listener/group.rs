@@ -15,7 +15,7 @@ use super::worker::Worker;
 /// `listener` module docs). Stop and open requests wake it at once, so this only bounds the
 /// idle wake-ups: with a 100 ms slice per listener, 1,200 idle listeners took about a
 /// quarter of a core.
-const IDLE_POLL_MS: u64 = 5_000;
+pub(super) const IDLE_POLL_MS: u64 = 5_000;
 
 /// What a group's handles and its thread share.
 #[derive(Default)]
