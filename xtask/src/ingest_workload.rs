@@ -22,6 +22,8 @@ pub(crate) const SHARED_PREFIXES: u64 = 4;
 pub(crate) const PREFIX_BLOCKS: u64 = 8;
 /// Tokens per block (the block size every worker registers).
 pub(crate) const BLOCK_SIZE: u64 = 16;
+/// PUB sockets per ZMQ context of the publisher (libzmq caps a context at 1,023 sockets).
+const PUBS_PER_CONTEXT: u64 = 1_000;
 /// Token ids stay below a realistic vocabulary size, so they encode as msgpack does them
 /// from an engine (2- and 4-byte integers).
 const VOCABULARY: u64 = 128_000;
@@ -217,13 +219,21 @@ fn empty_batch() -> Result<Vec<u8>> {
 /// sends seq 0 on every socket (answered `ok`), `go` streams every batch, round-robin over
 /// the workers, and answers `done <seconds>`. It exits when stdin closes: a PUB with linger
 /// 0 would drop whatever the server has not read yet.
+///
+/// The sockets are spread over contexts of [`PUBS_PER_CONTEXT`]: libzmq refuses a context's
+/// 1,024th socket (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise) with EMFILE, so a
+/// single context failed every run past 1,023 workers with "Too many open files".
 pub(crate) fn publish(w: &Workload) -> Result<()> {
     w.validate()?;
-    let ctx = zmq::Context::new();
+    let contexts: Vec<zmq::Context> = (0..w.workers.div_ceil(PUBS_PER_CONTEXT))
+        .map(|_| zmq::Context::new())
+        .collect();
     let mut sockets = Vec::with_capacity(w.workers as usize);
     let mut stdout = std::io::stdout().lock();
-    for _ in 0..w.workers {
-        let s = ctx.socket(zmq::PUB)?;
+    for i in 0..w.workers {
+        let s = contexts[(i / PUBS_PER_CONTEXT) as usize]
+            .socket(zmq::PUB)
+            .with_context(|| format!("creating the PUB socket of worker {i}"))?;
         s.set_linger(0)?;
         // Unbounded: PUB drops at its high-water mark, and the bench must lose nothing.
         s.set_sndhwm(0)?;
