@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use kv_types::{BlockHash, KvOperation, KvOperationKind, WorkerId, WorkerKey};
-use parking_lot::{RwLock, RwLockWriteGuard};
+use parking_lot::{Mutex, RwLock, RwLockWriteGuard};
 
 use crate::index::{ApplyCounters, ApplyOutcome, KvIndex, RecordOutcome};
 use crate::primary::OverlapScores;
@@ -129,7 +129,14 @@ impl SharedKvIndex {
 /// writing one partition, a fair unlock per event handed the lock to the other writer each
 /// time, and the futex wake-ups and context switches cost more than the writes. A `Cleared`
 /// event or a store longer than a section gets sections of its own ([`apply_fairly`]).
-pub fn apply_batch_fairly(index: &RwLock<KvIndex>, ops: &[KvOperation]) {
+///
+/// Batch writers take turns on `writers` first and hold it for the whole batch. The index
+/// lock prefers queued writers to arriving readers, so with many listener threads writing
+/// one partition a lookup would queue behind every one of their sections (docs/hot-path.md);
+/// with the turn, at most one writer waits on the index lock, and each hand-over between
+/// sections goes to the lookups that arrived meanwhile.
+pub fn apply_batch_fairly(index: &RwLock<KvIndex>, writers: &Mutex<()>, ops: &[KvOperation]) {
+    let _turn = writers.lock();
     let mut guard: Option<RwLockWriteGuard<'_, KvIndex>> = None;
     let mut section = 0usize;
     for op in ops {

@@ -361,6 +361,7 @@ impl SelectionCore {
             is_eagle,
             records_decisions: records_decisions(&index),
             index: RwLock::new(index),
+            index_writers: Mutex::new(()),
             ledger: Mutex::new(Ledger::new(LedgerConfig {
                 expiry: self.config.active_request_expiry,
             })),

@@ -35,6 +35,9 @@ pub(crate) struct Partition {
     pub(crate) block_size: u32,
     pub(crate) is_eagle: bool,
     pub(crate) index: RwLock<KvIndex>,
+    /// The listeners' turn at writing `index` ([`kv_index::apply_batch_fairly`]): one
+    /// listener batch at a time, so lookups queue behind at most one write section.
+    pub(crate) index_writers: Mutex<()>,
     /// The index records routing decisions (approximate mode or a predicted-TTL side
     /// index): fixed when the index is built, so bookings without it take no index lock.
     pub(super) records_decisions: bool,
