@@ -87,7 +87,8 @@
 //!   lookup and the ledger lock only while reading projections. Event ingestion takes the
 //!   index write lock once per section of a batch (up to 128 blocks, events in order; a
 //!   longer store gets pieces of its own), never for a whole batch, and hands the lock over
-//!   fairly between sections so lookups are not starved.
+//!   fairly between sections so lookups are not starved. The listeners of a partition take
+//!   turns before the lock, so a lookup never queues behind more than one writer.
 //! - With an admission queue, a selection hashes and looks up its prompt once, before
 //!   admission (the best cached tokens feed WSPT, cached-token limits and ISL buckets), and
 //!   scheduling reuses that lookup; without a queue there is no extra step. A queued
