@@ -98,7 +98,7 @@ struct Cli {
     #[arg(long, requires = "indexer_peers", value_name = "PATH")]
     indexer_peers_token_file: Option<PathBuf>,
 
-    /// Replica-sync ZMQ PUB port, bound as tcp://*:<port> (1-65535). Enables the replica mesh.
+    /// Replica-sync ZMQ PUB port, bound as tcp://*:PORT (1-65535). Enables the replica mesh.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..), value_name = "PORT")]
     replica_sync_port: Option<u16>,
 
