@@ -29,6 +29,7 @@ use http::{Method, StatusCode};
 use serde_json::json;
 
 use crate::bench_http::{PerfRecorder, ServerProcess, call, connect, send};
+use crate::bench_wrk::median;
 use crate::flood::{gauge, metrics, proc_status, register};
 use crate::ingest_workload::{
     BLOCK_SIZE, PREFIX_BLOCKS, Parent, SHARED_PREFIXES, Workload, prefix_tokens,
@@ -600,11 +601,6 @@ impl SelectLoop {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 #[expect(
     clippy::print_stdout,
     reason = "the results table is the task's output"
@@ -692,5 +688,7 @@ mod tests {
         assert_eq!(percentile(&d, 99.0), Duration::from_micros(99));
         assert_eq!(percentile(&[], 50.0), Duration::ZERO);
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        // An even count averages the middle two (the table's median row).
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
     }
 }

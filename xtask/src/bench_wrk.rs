@@ -245,7 +245,8 @@ pub(crate) fn run(
     Ok(out)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median; an even count averages the middle two.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
         0 => 0.0,
