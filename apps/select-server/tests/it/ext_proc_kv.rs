@@ -15,7 +15,7 @@ use kv_types::hashing::{HashOptions, block_hashes};
 use serde_json::json;
 
 use crate::ext_proc::{DUPLEX, Server, Stream, body, destination, headers, runtime};
-use crate::http::{call, free_port};
+use crate::http::{call, dumped_block_hashes, free_port};
 
 /// A directory under the system temp dir, removed on drop.
 pub(crate) struct TempDir(pub(crate) PathBuf);
@@ -86,23 +86,7 @@ fn bound_publisher(ctx: &zmq::Context) -> (zmq::Socket, u16) {
 /// Engine block hashes `/dump` holds for `worker_id` in the chat model's partition.
 fn dumped_blocks(port: u16, worker_id: u64) -> Vec<u64> {
     let (_, dump) = call(port, "GET", "/dump", None);
-    let mut out = Vec::new();
-    for e in dump[format!("{MODEL}:default")]["events"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-    {
-        if e["worker_id"] == worker_id {
-            for b in e["event"]["data"]["stored"]["blocks"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-            {
-                out.push(b["block_hash"].as_u64().unwrap());
-            }
-        }
-    }
-    out
+    dumped_block_hashes(&dump, &format!("{MODEL}:default"), worker_id)
 }
 
 #[test]

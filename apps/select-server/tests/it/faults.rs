@@ -23,7 +23,7 @@ use replica_sync::{
 };
 use serde_json::{Value, json};
 
-use crate::http::{free_port, spawn_on_free_port};
+use crate::http::{dumped_block_hashes, free_port, spawn_on_free_port};
 use crate::mesh::{three_replicas, warm_up};
 
 /// Longest any single HTTP answer may take while the server is under a fault.
@@ -82,23 +82,9 @@ impl Proc {
     fn blocks(&self, worker_id: u64) -> BTreeSet<u64> {
         let (status, dump) = self.get("/dump");
         assert_eq!(status, 200, "{dump}");
-        let mut out = BTreeSet::new();
-        for e in dump["default:default"]["events"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-        {
-            if e["worker_id"] == worker_id {
-                for b in e["event"]["data"]["stored"]["blocks"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-                {
-                    out.insert(b["block_hash"].as_u64().unwrap());
-                }
-            }
-        }
-        out
+        dumped_block_hashes(&dump, "default:default", worker_id)
+            .into_iter()
+            .collect()
     }
 
     /// Device blocks `/overlap_scores` reports for `worker_id` on `tokens`.

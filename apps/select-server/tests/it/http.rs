@@ -177,3 +177,21 @@ pub(crate) fn raw(
     let text = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
     (status, text.to_owned())
 }
+
+/// The engine block hashes of `worker_id`'s stores in one partition of a `GET /dump`
+/// answer, in dump order.
+pub(crate) fn dumped_block_hashes(dump: &Value, partition: &str, worker_id: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    for e in dump[partition]["events"].as_array().into_iter().flatten() {
+        if e["worker_id"] == worker_id {
+            for b in e["event"]["data"]["stored"]["blocks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                out.push(b["block_hash"].as_u64().unwrap());
+            }
+        }
+    }
+    out
+}

@@ -101,6 +101,12 @@ impl PrefixIndex {
     /// paths.
     pub fn allocated_bytes(&self) -> usize {
         let heap_owners: usize = self.nodes.iter().map(|n| n.owners.heap_bytes()).sum();
+        self.structure_bytes() + heap_owners
+    }
+
+    /// The slab, the child and slot maps and every worker key's state, by capacity: all of
+    /// the index but the owner lists nodes keep on the heap.
+    fn structure_bytes(&self) -> usize {
         let workers: usize = self
             .workers
             .iter()
@@ -113,7 +119,6 @@ impl PrefixIndex {
             + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
             + self.slot_of.capacity() * (std::mem::size_of::<(WorkerKey, u32)>() + 1)
             + self.free_slots.capacity() * std::mem::size_of::<u32>()
-            + heap_owners
             + workers
     }
 
@@ -122,22 +127,9 @@ impl PrefixIndex {
     /// owner lists estimated as one `u32` per membership beyond three per node (a bound
     /// that counts only shared nodes; most nodes keep their owners inline).
     pub fn estimated_bytes(&self) -> usize {
-        let workers: usize = self
-            .workers
-            .iter()
-            .flatten()
-            .map(WorkerState::allocated_bytes)
-            .sum();
         let heap_owners =
             self.memberships.saturating_sub(3 * self.live_nodes) * std::mem::size_of::<u32>();
-        self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.free_nodes.capacity() * std::mem::size_of::<u32>()
-            + self.branches.capacity() * (std::mem::size_of::<((u32, u64), u32)>() + 1)
-            + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
-            + self.slot_of.capacity() * (std::mem::size_of::<(WorkerKey, u32)>() + 1)
-            + self.free_slots.capacity() * std::mem::size_of::<u32>()
-            + heap_owners
-            + workers
+        self.structure_bytes() + heap_owners
     }
 
     /// Worker keys that currently have state, in no particular order.
