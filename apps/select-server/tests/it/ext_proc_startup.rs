@@ -45,38 +45,31 @@ fn each_known_model_without_a_tokenizer_is_named_at_startup() {
         record(3, "beta"),
         record(4, "chat")
     ]);
-    std::fs::write(&workers, file.to_string()).unwrap();
     let log = dir.0.join("stderr.log");
     let tokenizer_arg = format!("chat={}", tokenizer.display());
-    let server = Server::start_logging(
-        &[
-            "--workers-file",
-            workers.to_str().unwrap(),
-            "--tokenizer",
-            &tokenizer_arg,
-        ],
-        &[("DYN_ROUTER_USE_KV_EVENTS", "false"), ("NO_COLOR", "1")],
-        Some(&log),
-    );
-    // The warnings are written before the HTTP port listens.
-    let text = std::fs::read_to_string(&log).unwrap();
+    // The server started on a workers file, and what it wrote to stderr: the warnings are
+    // written before the HTTP port listens.
+    let start = |records: &serde_json::Value| {
+        std::fs::write(&workers, records.to_string()).unwrap();
+        let server = Server::start_logging(
+            &[
+                "--workers-file",
+                workers.to_str().unwrap(),
+                "--tokenizer",
+                &tokenizer_arg,
+            ],
+            &[("DYN_ROUTER_USE_KV_EVENTS", "false"), ("NO_COLOR", "1")],
+            Some(&log),
+        );
+        let text = std::fs::read_to_string(&log).unwrap();
+        (server, text)
+    };
+    let (server, text) = start(&file);
     assert_eq!(warned_models(&text), ["alpha", "beta"], "{text}");
     drop(server);
 
     // Every model has its tokenizer: no such warning.
-    let all = json!([record(1, "chat")]);
-    std::fs::write(&workers, all.to_string()).unwrap();
-    let server = Server::start_logging(
-        &[
-            "--workers-file",
-            workers.to_str().unwrap(),
-            "--tokenizer",
-            &tokenizer_arg,
-        ],
-        &[("DYN_ROUTER_USE_KV_EVENTS", "false"), ("NO_COLOR", "1")],
-        Some(&log),
-    );
-    let text = std::fs::read_to_string(&log).unwrap();
+    let (server, text) = start(&json!([record(1, "chat")]));
     assert_eq!(warned_models(&text), Vec::<String>::new(), "{text}");
     let models: BTreeSet<String> = crate::http::call(server.port, "GET", "/workers", None)
         .1
