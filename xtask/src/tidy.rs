@@ -18,6 +18,7 @@ fn allowed_edges() -> BTreeMap<&'static str, &'static [&'static str]> {
     BTreeMap::from([
         ("kv-types", &[][..]),
         ("zmq-monitor", &[][..]),
+        ("digit-scan", &[][..]),
         ("kv-events", &["kv-types", "zmq-monitor"][..]),
         ("kv-index", LEAF),
         ("load-accounting", LEAF),
@@ -44,6 +45,7 @@ fn allowed_edges() -> BTreeMap<&'static str, &'static [&'static str]> {
                 "kv-types",
                 "selection-policy",
                 "replica-sync",
+                "digit-scan",
             ][..],
         ),
     ])
@@ -227,6 +229,45 @@ fn no_environment_reads_under_crates() {
     assert!(
         offenders.is_empty(),
         "only the app reads the environment: {offenders:#?}"
+    );
+}
+
+/// `unsafe` stays where digit-scan's crate doc says it is: every other crate takes the
+/// workspace lints (`unsafe_code = "forbid"`), and no file but digit-scan's simd.rs allows it.
+#[test]
+fn unsafe_code_is_confined_to_digit_scan_simd() {
+    const CRATE: &str = "digit-scan";
+    const FILE: &str = "crates/digit-scan/src/simd.rs";
+    let off_workspace_lints: Vec<String> = packages()
+        .into_iter()
+        .filter(|p| p.name != CRATE)
+        .filter(|p| {
+            let manifest =
+                std::fs::read_to_string(p.manifest_dir.join("Cargo.toml")).unwrap_or_default();
+            !manifest.contains("[lints]\nworkspace = true")
+        })
+        .map(|p| p.name)
+        .collect();
+    assert!(
+        off_workspace_lints.is_empty(),
+        "crates without `[lints] workspace = true`: {off_workspace_lints:?}"
+    );
+    let mut allowing = Vec::new();
+    for dir in ["crates", "apps", "benches", "xtask", "examples", "fuzz"] {
+        visit(&root().join(dir), &mut |path| {
+            let text = if path.extension().is_some_and(|e| e == "rs") {
+                std::fs::read_to_string(path).unwrap_or_default()
+            } else {
+                String::new()
+            };
+            if text.contains(concat!("allow(", "unsafe_code)")) && !path.ends_with(FILE) {
+                allowing.push(path.display().to_string());
+            }
+        });
+    }
+    assert!(
+        allowing.is_empty(),
+        "only {FILE} may allow unsafe code: {allowing:?}"
     );
 }
 

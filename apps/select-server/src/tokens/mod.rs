@@ -3,8 +3,8 @@
 //! On a 2,048-token body, serde spent over half of the server's CPU on `token_ids`: a visitor
 //! call chain per element, and with `RawValue` still a full syntax pass before any
 //! conversion. [`split_token_ids`] instead walks the top level of the body object once, parses
-//! the `token_ids` array in place with a SWAR digit loop, and hands the remaining (small)
-//! object to serde. It only has to be right on the shapes it accepts: anything unusual
+//! the `token_ids` array in place (its compact part 64 bytes at a time, scan.rs; the rest one
+//! id at a time with a SWAR digit loop), and hands the remaining (small) object to serde. It only has to be right on the shapes it accepts: anything unusual
 //! (escaped keys, a duplicate key, `null`, negative or fractional ids, ids ≥ 2^32, leading
 //! zeros, stray bytes) returns `None`, and the caller parses the whole body the exact way,
 //! with serde's error messages and field paths.
@@ -13,6 +13,8 @@
 //! (grammar of an array of integers), and everything else is validated by serde afterwards;
 //! strings are skipped by the same grammar serde uses, so both agree on where the top-level
 //! members start.
+
+mod scan;
 
 /// Splits a JSON object body into its `token_ids` (an array of plain u32 literals) and the
 /// body without that member. `None` when the body has no such member or anything is unusual.
@@ -102,14 +104,9 @@ fn parse_token_array(body: &[u8], i: usize) -> Option<(Vec<u32>, usize)> {
     if body.get(i) == Some(&b']') {
         return Some((out, i + 1));
     }
-    let resume = match interleaved_runs(body, i, &mut out) {
-        Some(resume) => resume,
-        None => {
-            out.clear();
-            compact_run(body, i, &mut out)
-        }
-    };
-    finish_array(body, resume, out)
+    let resume = scan::compact_ids(body, i, &mut out);
+    // After a comma the general loop expects the next value's first byte.
+    finish_array(body, skip_ws(body, resume), out)
 }
 
 /// The rest of an id array from `body[i]` (an id's first byte) on, one id at a time, with
@@ -141,111 +138,6 @@ fn finish_array(body: &[u8], mut i: usize, mut out: Vec<u32>) -> Option<(Vec<u32
     }
 }
 
-/// How many stretches of a long compact array [`interleaved_runs`] parses side by side.
-const STREAMS: usize = 4;
-
-/// Arrays shorter than this (bytes to the end of the body) are parsed as one stream: the
-/// split costs more than it saves.
-const INTERLEAVE_MIN_BYTES: usize = 512;
-
-/// The compact prefix of a long id array, parsed as [`STREAMS`] independent stretches in
-/// one loop; returns where [`compact_run`]'s caller takes over, with every id before it
-/// appended to `out` in order. `None` when the array is short or not compact where it was
-/// cut (the caller then parses it as one stream, from the start).
-///
-/// One stream is bound by latency, not by instructions: an id's end is only known once
-/// its 8-byte word is loaded and classified, and that end is the next id's address, so
-/// each id waits about a dozen cycles for the one before it. Cutting the array at commas
-/// into stretches gives the core independent chains to overlap.
-///
-/// Why the cuts cannot change the result: each stretch but the last is accepted only if
-/// its compact ids, from its start, land exactly one byte after the comma that ends it,
-/// so every byte before the last stretch was validated as `digits,digits,…,` by the same
-/// rule [`compact_run`] applies; the last stretch continues exactly as one stream would.
-fn interleaved_runs(body: &[u8], start: usize, out: &mut Vec<u32>) -> Option<usize> {
-    let remaining = body.len() - start;
-    if remaining < INTERLEAVE_MIN_BYTES {
-        return None;
-    }
-    // Stretch k runs from `pos[k]` to `ends[k]` (one past its closing comma); the last
-    // one runs on to the end of the compact form.
-    let mut pos = [start; STREAMS];
-    let mut ends = [usize::MAX; STREAMS];
-    for k in 1..STREAMS {
-        let cut = start + remaining * k / STREAMS;
-        let comma = cut + body[cut..].iter().take(16).position(|&b| b == b',')?;
-        ends[k - 1] = comma + 1;
-        pos[k] = comma + 1;
-    }
-    // The first stretch writes to `out`, the others to buffers appended after it.
-    let mut later: [Vec<u32>; STREAMS - 1] =
-        std::array::from_fn(|_| Vec::with_capacity(remaining / (4 * STREAMS) + 8));
-    'together: loop {
-        for k in 0..STREAMS {
-            if pos[k] >= ends[k] {
-                break 'together;
-            }
-            let Some((value, consumed)) = compact_id(body, pos[k]) else {
-                break 'together;
-            };
-            match k.checked_sub(1) {
-                None => out.push(value),
-                Some(j) => later[j].push(value),
-            }
-            pos[k] += consumed;
-        }
-    }
-    // Whatever stretch stopped first, the others but the last finish alone.
-    for k in 0..STREAMS - 1 {
-        while pos[k] < ends[k] {
-            let (value, consumed) = compact_id(body, pos[k])?;
-            match k.checked_sub(1) {
-                None => out.push(value),
-                Some(j) => later[j].push(value),
-            }
-            pos[k] += consumed;
-        }
-        if pos[k] != ends[k] {
-            return None;
-        }
-    }
-    for ids in &later {
-        out.extend_from_slice(ids);
-    }
-    Some(compact_run(body, pos[STREAMS - 1], out))
-}
-
-/// The ids of a compact run (`12,345,6789,…`) starting at `body[i]`, appended to `out`;
-/// returns where the general loop takes over: at the id before a `]`, whitespace or anything
-/// else, or when fewer than 8 bytes remain.
-fn compact_run(body: &[u8], mut i: usize, out: &mut Vec<u32>) -> usize {
-    while let Some((value, consumed)) = compact_id(body, i) {
-        out.push(value);
-        i += consumed;
-    }
-    // After a comma the general loop expects the next value's first byte.
-    skip_ws(body, i)
-}
-
-/// The id at `body[i]` and the bytes it takes with its comma, when it is 1 to 7 digits
-/// without a leading zero followed directly by a comma and 8 bytes can be read; else
-/// `None`, and the general loop decides (a leading zero is an error there).
-///
-/// It loads 8 bytes once and reads the id's length and the separator after it from that
-/// same word: about 30 instructions per id, where a byte loop took about 75.
-#[inline(always)]
-fn compact_id(body: &[u8], i: usize) -> Option<(u32, usize)> {
-    let word = u64::from_le_bytes(*body.get(i..)?.first_chunk::<8>()?);
-    let x = word ^ 0x3030_3030_3030_3030;
-    let len = first_non_digit(x);
-    // 0 digits, 8+ digits, not followed by a comma, or a leading zero.
-    if len == 0 || len == 8 || (word >> (8 * len)) as u8 != b',' || (len > 1 && word as u8 == b'0')
-    {
-        return None;
-    }
-    Some((digits_value(x, len), len as usize + 1))
-}
-
 /// A run of 1 to 7 digits at the start of `rest`, converted without a branch per digit (the
 /// unpredictable number lengths of token ids made the byte loop mispredict once per token).
 /// `None` when fewer than 8 bytes remain or the run is empty or 8+ digits long.
@@ -260,16 +152,11 @@ fn swar_digits(rest: &[u8]) -> Option<(u32, usize)> {
 }
 
 /// The value of the `len` (1..=7) digits in the low lanes of `x = word ^ 0x30…30`, first
-/// digit lowest, without a branch per digit (the unpredictable lengths of token ids made a
-/// byte loop mispredict once per id).
+/// digit lowest: shifted up, they are a digit word (`digit_scan::words_to_values`).
 #[inline(always)]
 fn digits_value(x: u64, len: u32) -> u32 {
     // Shifting up drops the lanes past the id and pads the front with zero digits.
-    let mut v = x << (8 * (8 - len));
-    v = (v.wrapping_mul(10) + (v >> 8)) & 0x00ff_00ff_00ff_00ff;
-    v = (v.wrapping_mul(100) + (v >> 16)) & 0x0000_ffff_0000_ffff;
-    v = v.wrapping_mul(10_000) + (v >> 32);
-    (v & 0xffff_ffff) as u32
+    digit_scan::word_value(x << (8 * (8 - len)))
 }
 
 /// The lane (0..=8, 8 = none) of the first byte of `x = word ^ 0x30…30` that is not an
@@ -476,7 +363,7 @@ mod tests {
                 agree_with_serde(&bytes)?;
             }
 
-            /// Arrays long enough to be parsed as interleaved stretches.
+            /// Arrays long enough for the block scan.
             #[test]
             fn agrees_with_serde_on_long_arrays(bytes in body(90..400)) {
                 agree_with_serde(&bytes)?;
@@ -511,42 +398,41 @@ mod tests {
         }
     }
 
-    /// The interleaved stretches give what one stream gives, whatever one byte of a long
-    /// array is turned into: at a cut, inside a stretch, or at its end.
+    /// The block scan and the one-id-at-a-time loop give the same result, whatever one byte
+    /// of a long array is turned into: an empty id, a leading zero, an 8-digit id, the end,
+    /// whitespace, in any block and at any position in it.
     #[test]
-    fn interleaving_agrees_with_one_stream_at_every_byte() {
+    fn the_block_scan_agrees_with_one_id_at_a_time_at_every_byte() {
         let ids: Vec<String> = (0..160u32)
             .map(|k| (k * 7_919 % 150_000).to_string())
             .collect();
         let clean = format!(r#"{{"m":"x","token_ids":[{}],"n":1}}"#, ids.join(","));
         let open = clean.find('[').unwrap() + 1;
-        let one_stream = |body: &[u8]| {
+        let one_at_a_time = |body: &[u8]| {
             let i = skip_ws(body, open);
             if body.get(i) == Some(&b']') {
                 return Some((Vec::new(), i + 1));
             }
-            let mut out = Vec::new();
-            let resume = compact_run(body, i, &mut out);
-            finish_array(body, resume, out)
+            finish_array(body, i, Vec::new())
         };
-        let mut interleaved = 0;
+        let mut scanned = 0;
         for at in open..clean.len() {
-            for byte in *b"0,] x-" {
+            for byte in *b"0,] x-9" {
                 let mut body = clean.clone().into_bytes();
                 body[at] = byte;
                 let mut out = Vec::new();
-                if interleaved_runs(&body, open, &mut out).is_some() {
-                    interleaved += 1;
+                if scan::compact_ids(&body, open, &mut out) > open + 64 {
+                    scanned += 1;
                 }
                 assert_eq!(
                     parse_token_array(&body, open - 1),
-                    one_stream(&body),
+                    one_at_a_time(&body),
                     "byte {byte:?} at {at}"
                 );
             }
         }
-        // Most damage leaves the cuts compact: the interleaved path really ran.
-        assert!(interleaved > clean.len(), "{interleaved}");
+        // Most damage leaves whole blocks before it: the scan really ran.
+        assert!(scanned > clean.len() * 5, "{scanned}");
     }
 
     #[test]
