@@ -316,6 +316,11 @@ mod tests {
         /// A selection-like body: other members around a `token_ids` array, with varied
         /// separators, optionally damaged at one byte.
         fn body(ids: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u8>> {
+            body_below(ids, 300_000)
+        }
+
+        /// As [`body`], with ids below `limit` (any `u32`: some of 8 to 10 digits).
+        fn body_below(ids: std::ops::Range<usize>, limit: u64) -> impl Strategy<Value = Vec<u8>> {
             let member = prop::sample::select(vec![
                 r#""model_name":"m""#,
                 r#""n":-1.5e3"#,
@@ -326,7 +331,10 @@ mod tests {
             let sep = prop::sample::select(vec![",", " , ", ",\n  ", "\t,"]);
             (
                 prop::collection::vec(member, 0..3),
-                prop::collection::vec(any::<u32>().prop_map(|t| t % 300_000), ids),
+                prop::collection::vec(
+                    any::<u32>().prop_map(move |t| (u64::from(t) % limit) as u32),
+                    ids,
+                ),
                 prop::collection::vec(sep, 1..4),
                 0usize..4,
                 prop::option::of((any::<prop::sample::Index>(), any::<u8>())),
@@ -366,6 +374,34 @@ mod tests {
             /// Arrays long enough for the block scan.
             #[test]
             fn agrees_with_serde_on_long_arrays(bytes in body(90..400)) {
+                agree_with_serde(&bytes)?;
+            }
+
+            /// Long arrays with ids of up to 10 digits, which the block scan leaves to the
+            /// one-id-at-a-time loop.
+            #[test]
+            fn agrees_with_serde_on_long_arrays_of_any_ids(
+                bytes in body_below(90..400, 1 << 32)
+            ) {
+                agree_with_serde(&bytes)?;
+            }
+
+            /// Long arrays of arbitrary digits, commas and other bytes never panic, and
+            /// serde agrees with whatever is accepted.
+            #[test]
+            fn long_arrays_of_arbitrary_bytes_never_panic(
+                inner in prop::collection::vec(
+                    prop_oneof![
+                        8 => prop::sample::select(b"0123456789".to_vec()),
+                        3 => Just(b','),
+                        1 => any::<u8>(),
+                    ],
+                    0..1_000,
+                )
+            ) {
+                let mut bytes = br#"{"token_ids":["#.to_vec();
+                bytes.extend_from_slice(&inner);
+                bytes.extend_from_slice(b"]}");
                 agree_with_serde(&bytes)?;
             }
 
