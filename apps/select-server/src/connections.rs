@@ -16,10 +16,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::sync::mpsc;
 
 use crate::backend::Backend;
+use crate::head_timer::ConnectionTimer;
 use crate::routes::Routes;
 
 /// A connection on its way to a thread.
@@ -156,7 +157,7 @@ pub(crate) async fn serve_connection<B: Backend>(
         tower::Service::call(&mut routes, req)
     });
     if let Err(e) = http1::Builder::new()
-        .timer(TokioTimer::new())
+        .timer(ConnectionTimer::default())
         .header_read_timeout(header_timeout)
         .serve_connection(TokioIo::new(stream), service)
         .await

@@ -47,6 +47,7 @@ pub mod config;
 mod connections;
 mod discovery;
 pub mod dto;
+mod head_timer;
 pub mod policy_file;
 mod recovery;
 mod routes;
