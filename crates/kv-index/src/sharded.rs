@@ -27,6 +27,7 @@
 use std::hash::{BuildHasher, Hash};
 
 use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
 use rustc_hash::FxBuildHasher;
 
 /// Buckets of a shard at which it splits instead of growing (a power of two).
@@ -100,12 +101,6 @@ impl<T> ShardedTable<T> {
         self.shards[s].table.find(hash, eq)
     }
 
-    #[inline]
-    pub(crate) fn find_mut(&mut self, hash: u64, eq: impl FnMut(&T) -> bool) -> Option<&mut T> {
-        let s = self.shard_of(hash)?;
-        self.shards[s].table.find_mut(hash, eq)
-    }
-
     /// Removes and returns the value equal to `eq` under `hash`.
     #[inline]
     pub(crate) fn remove(&mut self, hash: u64, eq: impl FnMut(&T) -> bool) -> Option<T> {
@@ -113,6 +108,37 @@ impl<T> ShardedTable<T> {
         let (value, _) = self.shards[s].table.find_entry(hash, eq).ok()?.remove();
         self.len -= 1;
         Some(value)
+    }
+
+    /// Puts `value` in place of the value equal to `eq` under `hash` and returns that one,
+    /// or inserts it: one directory walk and one probe unless the shard must split first.
+    /// `hasher` gives the hash of any value in the table (for a shard that grows or splits).
+    #[inline]
+    pub(crate) fn insert(
+        &mut self,
+        hash: u64,
+        value: T,
+        mut eq: impl FnMut(&T) -> bool,
+        hasher: impl Fn(&T) -> u64,
+    ) -> Option<T> {
+        if let Some(s) = self.shard_of(hash) {
+            let table = &mut self.shards[s].table;
+            if table.len() < table.capacity() {
+                return match table.entry(hash, eq, &hasher) {
+                    Entry::Occupied(mut e) => Some(std::mem::replace(e.get_mut(), value)),
+                    Entry::Vacant(e) => {
+                        e.insert(value);
+                        self.len += 1;
+                        None
+                    }
+                };
+            }
+            if let Some(old) = table.find_mut(hash, &mut eq) {
+                return Some(std::mem::replace(old, value));
+            }
+        }
+        self.insert_unique(hash, value, hasher);
+        None
     }
 
     /// Inserts `value`, which must not be in the table yet. `hasher` gives the hash of any
@@ -283,14 +309,16 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
 
     /// Maps `key` to `value`; returns the value it replaced.
     #[inline]
-    pub(crate) fn insert(&mut self, key: K, value: V) -> Option<V> {
+    pub(crate) fn insert(&mut self, key: K, value: V) -> Option<V>
+    where
+        K: Copy,
+    {
         let hash = fx_hash(&key);
-        if let Some((_, v)) = self.table.find_mut(hash, |(k, _)| *k == key) {
-            return Some(std::mem::replace(v, value));
-        }
-        self.table
-            .insert_unique(hash, (key, value), |(k, _)| fx_hash(k));
-        None
+        let eq = move |(k, _): &(K, V)| *k == key;
+        let old = self
+            .table
+            .insert(hash, (key, value), eq, |(k, _)| fx_hash(k));
+        old.map(|(_, v)| v)
     }
 
     #[inline]
@@ -355,15 +383,8 @@ mod tests {
         for op in ops {
             match *op {
                 Op::Insert(k, v) => {
-                    let old = table.find_mut(hash(k), |e| e.0 == k).map(|e| {
-                        let old = e.1;
-                        e.1 = v;
-                        old
-                    });
-                    if old.is_none() {
-                        table.insert_unique(hash(k), (k, v), by);
-                    }
-                    assert_eq!(old, model.insert(k, v));
+                    let old = table.insert(hash(k), (k, v), |e| e.0 == k, by);
+                    assert_eq!(old.map(|e| e.1), model.insert(k, v));
                 }
                 Op::Remove(k) => {
                     let got = table.remove(hash(k), |e| e.0 == k).map(|e| e.1);

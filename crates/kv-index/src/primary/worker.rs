@@ -95,14 +95,9 @@ impl WorkerState {
                 }
                 previous
             };
-            match self.blocks.find_mut(hash, eq) {
-                Some(old) => Some(std::mem::replace(old, node)),
-                None => {
-                    self.blocks
-                        .insert_unique(hash, node, |&id| ext_hash(nodes[id as usize].external));
-                    previous
-                }
-            }
+            self.blocks
+                .insert(hash, node, eq, |&id| ext_hash(nodes[id as usize].external))
+                .or(previous)
         } else {
             let previous = self.blocks.remove(hash, eq);
             let moved = self.foreign.insert(ext, node);
