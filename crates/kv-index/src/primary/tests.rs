@@ -114,9 +114,9 @@ fn fast_path_state_stays_exact_under_random_ops() {
 fn maps_split_into_shards_stay_exact() {
     let mut idx = PrefixIndex::new();
     let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
-    let chains = 3_000u64;
+    let chains = 4_000u64;
     for c in 0..chains {
-        // Two blocks per chain, every chain a child of the root: 3,000 branches.
+        // Two blocks per chain, every chain a child of the root: 4,000 branches.
         let chain = [
             (c * 2 + 1, 1_000_000 + c * 2),
             (c * 2 + 2, 1_000_001 + c * 2),
@@ -135,12 +135,12 @@ fn maps_split_into_shards_stay_exact() {
             .map(|c| ExternalHash(1_000_001 + c * 2 + offset))
             .collect()
     };
-    assert_eq!(idx.apply_removed(a, &leaves(0)).removed, 1_500);
-    assert_eq!(idx.apply_removed(b, &leaves(10_000_000)).removed, 1_500);
+    assert_eq!(idx.apply_removed(a, &leaves(0)).removed, 2_000);
+    assert_eq!(idx.apply_removed(b, &leaves(10_000_000)).removed, 2_000);
     idx.check_invariants();
     assert_eq!(idx.stats().nodes, chains as usize * 3 / 2);
     let mut out = OverlapScores::new();
-    for c in [0, 1, 1_337, 2_999] {
+    for c in [0, 1, 1_337, 3_999] {
         idx.find_matches(&q(&[c * 2 + 1, c * 2 + 2]), &mut out);
         let whole = if c % 2 == 0 { 1 } else { 2 };
         assert_eq!((out.score(a), out.score(b)), (whole, whole), "chain {c}");
