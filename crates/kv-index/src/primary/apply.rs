@@ -145,11 +145,9 @@ impl PrefixIndex {
             }
         }
         if state.blocks.is_empty() {
-            // Resets the tombstones the removes left, which would otherwise cost an
-            // in-place rehash (reading every entry's node) on the next fill. Not `clear`:
-            // hashbrown's `clear` returns early on an empty table, tombstones and all; a
-            // dropped `drain` always resets the control bytes.
-            drop(state.blocks.drain());
+            // Frees the shards with the tombstones the removes left, which would otherwise
+            // cost in-place rehashes (reading every entry's node) on the next fill.
+            state.blocks.clear();
         }
         out.removed = found.len() as u32;
         let counting = state.cap.as_ref().is_some_and(Capacity::counting);

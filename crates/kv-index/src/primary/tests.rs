@@ -31,16 +31,16 @@ impl PrefixIndex {
             }
         }
         for state in self.workers.iter().flatten() {
-            for &id in &state.blocks {
+            for &id in state.blocks.iter() {
                 let ext = ExternalHash(self.nodes[id as usize].external);
                 assert!(!state.foreign.contains_key(&ext));
                 assert_eq!(state.get(&self.nodes, ext), Some(id));
             }
-            for (&ext, &id) in &state.foreign {
+            for (&ext, &id) in state.foreign.iter() {
                 assert_ne!(self.nodes[id as usize].external, ext.0);
                 assert_eq!(state.get(&self.nodes, ext), Some(id));
             }
-            for (&id, &ext) in &state.own_at {
+            for (&id, &ext) in state.own_at.iter() {
                 assert_eq!(state.foreign.get(&ext), Some(&id));
             }
             let slot = self.slot_of[&state.key];
@@ -105,4 +105,47 @@ fn fast_path_state_stays_exact_under_random_ops() {
     }
     assert!(idx.allocated_bytes() > 0);
     assert!(idx.capacity_evicted_total() > 0);
+}
+
+/// Enough chains that the worker maps and the child map split into many shards, with
+/// foreign hashes on a second worker, then half of the leaves removed: every map stays
+/// exact.
+#[test]
+fn maps_split_into_shards_stay_exact() {
+    let mut idx = PrefixIndex::new();
+    let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+    let chains = 4_000u64;
+    for c in 0..chains {
+        // Two blocks per chain, every chain a child of the root: 4,000 branches.
+        let chain = [
+            (c * 2 + 1, 1_000_000 + c * 2),
+            (c * 2 + 2, 1_000_001 + c * 2),
+        ];
+        idx.apply_stored(a, None, &blocks(&chain));
+        // `b` hashes the same tokens differently: every entry is foreign.
+        let other = chain.map(|(l, e)| (l, e + 10_000_000));
+        idx.apply_stored(b, None, &blocks(&other));
+    }
+    idx.check_invariants();
+    assert_eq!(idx.stats().nodes, 2 * chains as usize);
+    assert_eq!(idx.estimated_bytes(), idx.allocated_bytes());
+    let leaves = |offset: u64| -> Vec<ExternalHash> {
+        (0..chains)
+            .step_by(2)
+            .map(|c| ExternalHash(1_000_001 + c * 2 + offset))
+            .collect()
+    };
+    assert_eq!(idx.apply_removed(a, &leaves(0)).removed, 2_000);
+    assert_eq!(idx.apply_removed(b, &leaves(10_000_000)).removed, 2_000);
+    idx.check_invariants();
+    assert_eq!(idx.stats().nodes, chains as usize * 3 / 2);
+    let mut out = OverlapScores::new();
+    for c in [0, 1, 1_337, 3_999] {
+        idx.find_matches(&q(&[c * 2 + 1, c * 2 + 2]), &mut out);
+        let whole = if c % 2 == 0 { 1 } else { 2 };
+        assert_eq!((out.score(a), out.score(b)), (whole, whole), "chain {c}");
+    }
+    assert_eq!(idx.estimated_bytes(), idx.allocated_bytes());
+    assert!(idx.remove_worker_key(a) && idx.remove_worker_key(b));
+    assert_eq!(idx.stats(), super::PrefixIndexStats::default());
 }

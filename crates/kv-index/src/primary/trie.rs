@@ -9,6 +9,7 @@ use rustc_hash::FxHashMap;
 use super::node::{FC_SAME, KIDS, Memo, NONE, Node, ROOT};
 use super::worker::WorkerState;
 use crate::capacity::Capacity;
+use crate::sharded::ShardedMap;
 
 /// Size figures of a [`PrefixIndex`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -29,7 +30,8 @@ pub struct PrefixIndex {
     pub(super) nodes: Vec<Node>,
     pub(super) free_nodes: Vec<u32>,
     /// Children other than a node's inline first child, keyed by (parent, local hash).
-    pub(super) branches: FxHashMap<(u32, u64), u32>,
+    /// Grows in shards, so no store moves the whole map under the write lock.
+    pub(super) branches: ShardedMap<(u32, u64), u32>,
     pub(super) workers: Vec<Option<WorkerState>>,
     pub(super) slot_of: FxHashMap<WorkerKey, u32>,
     pub(super) free_slots: Vec<u32>,
@@ -72,7 +74,7 @@ impl PrefixIndex {
         PrefixIndex {
             nodes: vec![Node::new(NONE, 0, 0)],
             free_nodes: Vec::new(),
-            branches: FxHashMap::default(),
+            branches: ShardedMap::default(),
             workers: Vec::new(),
             slot_of: FxHashMap::default(),
             free_slots: Vec::new(),
@@ -115,7 +117,7 @@ impl PrefixIndex {
             .sum();
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free_nodes.capacity() * std::mem::size_of::<u32>()
-            + self.branches.capacity() * (std::mem::size_of::<((u32, u64), u32)>() + 1)
+            + self.branches.allocation_size()
             + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
             + self.slot_of.capacity() * (std::mem::size_of::<(WorkerKey, u32)>() + 1)
             + self.free_slots.capacity() * std::mem::size_of::<u32>()

@@ -3,12 +3,12 @@
 
 use std::hash::BuildHasher;
 
-use hashbrown::HashTable;
 use kv_types::{ExternalHash, WorkerKey};
-use rustc_hash::{FxBuildHasher, FxHashMap};
+use rustc_hash::FxBuildHasher;
 
 use super::node::Node;
 use crate::capacity::Capacity;
+use crate::sharded::{ShardedMap, ShardedTable};
 
 #[derive(Debug)]
 pub(super) struct WorkerState {
@@ -16,18 +16,20 @@ pub(super) struct WorkerState {
     /// External hash → node, per the spec's per-worker block identity, for the usual case
     /// where the hash is the node's own `external`: only the 4-byte node id is stored and
     /// the key is read from the node (a node with a map entry is never freed, and its
-    /// `external` never changes). A quarter of a `HashMap<u64, u32>` entry.
-    pub(super) blocks: HashTable<u32>,
+    /// `external` never changes). A quarter of a `HashMap<u64, u32>` entry. Grows in
+    /// shards: growing a whole table re-reads every entry's node, milliseconds under the
+    /// write lock at a few hundred thousand blocks.
+    pub(super) blocks: ShardedTable<u32>,
     /// External hash → node where the hash differs from the node's `external` (another
     /// worker created the node under its own hash, or an engine reused a hash). Disjoint
     /// from `blocks`.
-    pub(super) foreign: FxHashMap<ExternalHash, u32>,
+    pub(super) foreign: ShardedMap<ExternalHash, u32>,
     /// Node → the hash this worker last stored it under, for the nodes it maps through
     /// `foreign`: engines that hash the same tokens differently (vLLM without a fixed hash
     /// seed) share nodes, and a match or a dump must name a block by its own worker's hash
     /// (lower-tier anchors, replayable parents). Every entry is also in `foreign`; empty
     /// whenever `foreign` is.
-    pub(super) own_at: FxHashMap<u32, ExternalHash>,
+    pub(super) own_at: ShardedMap<u32, ExternalHash>,
     /// Nodes whose owner set contains this slot (can exceed `blocks.len()` only when an
     /// engine reuses an external hash for a different position).
     pub(super) owned: u32,
@@ -52,9 +54,9 @@ impl WorkerState {
     pub(super) fn new(key: WorkerKey, version: u64) -> Self {
         WorkerState {
             key,
-            blocks: HashTable::new(),
-            foreign: FxHashMap::default(),
-            own_at: FxHashMap::default(),
+            blocks: ShardedTable::new(),
+            foreign: ShardedMap::default(),
+            own_at: ShardedMap::default(),
             owned: 0,
             version,
             aliased: false,
@@ -93,23 +95,11 @@ impl WorkerState {
                 }
                 previous
             };
-            match self
-                .blocks
-                .entry(hash, eq, |&id| ext_hash(nodes[id as usize].external))
-            {
-                hashbrown::hash_table::Entry::Occupied(mut e) => {
-                    Some(std::mem::replace(e.get_mut(), node))
-                }
-                hashbrown::hash_table::Entry::Vacant(e) => {
-                    e.insert(node);
-                    previous
-                }
-            }
+            self.blocks
+                .insert(hash, node, eq, |&id| ext_hash(nodes[id as usize].external))
+                .or(previous)
         } else {
-            let previous = match self.blocks.find_entry(hash, eq) {
-                Ok(e) => Some(e.remove().0),
-                Err(_) => None,
-            };
+            let previous = self.blocks.remove(hash, eq);
             let moved = self.foreign.insert(ext, node);
             if let Some(old) = moved {
                 self.forget_own(old, ext);
@@ -150,23 +140,18 @@ impl WorkerState {
             self.forget_own(node, ext);
             return Some(node);
         }
-        match self
-            .blocks
-            .find_entry(ext_hash(ext.0), |&id| nodes[id as usize].external == ext.0)
-        {
-            Ok(e) => Some(e.remove().0),
-            Err(_) => None,
-        }
+        self.blocks
+            .remove(ext_hash(ext.0), |&id| nodes[id as usize].external == ext.0)
     }
 
     /// Forgets every hash this worker maps to `node`; returns how many there were.
     pub(super) fn unmap(&mut self, nodes: &[Node], node: u32) -> u32 {
         let mut unmapped = 0;
-        if let Ok(e) = self
+        if self
             .blocks
-            .find_entry(ext_hash(nodes[node as usize].external), |&id| id == node)
+            .remove(ext_hash(nodes[node as usize].external), |&id| id == node)
+            .is_some()
         {
-            e.remove();
             unmapped += 1;
         }
         if self.foreign.is_empty() {
@@ -192,8 +177,8 @@ impl WorkerState {
     pub(super) fn allocated_bytes(&self) -> usize {
         self.cap.as_ref().map_or(0, Capacity::allocated_bytes)
             + self.blocks.allocation_size()
-            + self.foreign.capacity() * (std::mem::size_of::<(ExternalHash, u32)>() + 1)
-            + self.own_at.capacity() * (std::mem::size_of::<(u32, ExternalHash)>() + 1)
+            + self.foreign.allocation_size()
+            + self.own_at.allocation_size()
     }
 }
 
