@@ -36,7 +36,6 @@ const KEEP: [u64; 8] = {
 pub(super) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usize {
     let mut words = [0u64; BATCH];
     let mut filled = 0;
-    // The first byte of the id not yet taken.
     let mut base = start;
     // Where the first id not yet taken starts, relative to the block (wrapping: an id may
     // have begun up to 7 bytes before it). Relative, so the loop over a block's commas does
@@ -45,7 +44,7 @@ pub(super) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usiz
     // Bit 0: whether the block's first byte starts an id.
     let mut after_comma = 1u64;
     // The window reaches 8 bytes before the block: an id's digit word ends at its comma.
-    while let Some(window) = base
+    'blocks: while let Some(window) = base
         .checked_sub(8)
         .and_then(|from| body.get(from..))
         .and_then(|rest| rest.first_chunk::<72>())
@@ -75,8 +74,7 @@ pub(super) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usiz
             commas &= commas - 1;
             let len = at.wrapping_sub(from);
             if len > 7 {
-                digit_scan::words_to_values(&words[..filled], out);
-                return base.wrapping_add(from);
+                break 'blocks; // 8 or more digits: the caller's loop
             }
             let word = u64::from_le_bytes(*window[at..].first_chunk::<8>().unwrap_or(&[0; 8]));
             words[filled & (BATCH - 1)] = (word ^ 0x3030_3030_3030_3030) & KEEP[len];
