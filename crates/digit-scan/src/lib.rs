@@ -1,37 +1,61 @@
-//! Byte classification and digit conversion for select-server's `token_ids` parser.
+//! The compact part of select-server's `token_ids` arrays, parsed 64 bytes at a time.
 //!
 //! A `/select` body carries a prompt as a JSON array of a few thousand token ids, and
-//! parsing it was over a third of the server's CPU per request (docs/hot-path.md). Two
-//! steps of that parse are data-parallel and gain from vector instructions: finding the
-//! commas (and anything that is not a digit) in 64 bytes at once, and turning the digits of
-//! several ids into numbers at once. This crate does those two steps, with SSE2 (baseline on
-//! x86-64) and AVX2 (when the CPU has it) where available and portable code elsewhere; the
-//! grammar, validation and bookkeeping stay in safe code in select-server.
+//! parsing it was over a third of the server's CPU per request (docs/hot-path.md). Most of
+//! that array is a compact list, `12,345,6789,…`, and the steps of parsing it are
+//! data-parallel: finding the commas (and anything that is not a digit) in 64 bytes at once,
+//! placing each id's digits, and turning the digits of several ids into numbers at once.
+//! [`compact_ids`] does that with AVX-512 when the CPU has it (simd.rs) and otherwise with
+//! SSE2 masks and AVX2 conversion (list.rs), with portable code on other architectures; the
+//! rest of the array's grammar (whitespace, the end, long or odd numbers) stays with the
+//! caller's one-id-at-a-time loop, where this hands over.
 //!
 //! It is the workspace's only crate with `unsafe`: calling an intrinsic is `unsafe` in Rust
 //! even for a baseline feature, and safe wrappers exist only for features enabled at compile
-//! time, which would rule out detecting AVX2 at run time. The unsafe code is confined to
-//! simd.rs, where every block says why it is sound; the tests compare every vector path
-//! with the portable one.
+//! time, which would rule out detecting AVX2 or AVX-512 at run time. The unsafe code is
+//! confined to simd.rs, where every block says why it is sound; the tests compare every
+//! vector path with the portable one and the AVX-512 scan with list.rs's.
 
+mod list;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
+/// Takes the ids of a compact decimal list from `body[start]` (an id's first byte, or
+/// whatever stands there) on, while whole 64-byte blocks of it remain, and appends their
+/// values to `out`; returns the index of the first id it did not take, where the caller's
+/// one-id-at-a-time loop continues.
+///
+/// What it takes follows JSON's grammar for an array of non-negative integers without
+/// whitespace: a block is taken only if it holds nothing but digits and commas, no comma
+/// starts an id (`,,`, or a comma first) and no `0` starts an id of two or more digits, and
+/// only ids of 1 to 7 digits are taken (longer ones are the caller's). So every byte taken
+/// was checked against the same `digits,digits,…,` rule the caller's loop applies, and
+/// whatever this stops at, that loop parses or rejects from the returned index on. Where it
+/// stops within a run of valid ids (the id before a long one, or that block's first id) is
+/// up to the implementation.
+pub fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(resume) = simd::compact_ids(body, start, out) {
+        return resume;
+    }
+    list::compact_ids(body, start, out)
+}
+
 /// What each byte of a 64-byte block is: bit `i` of a mask describes byte `i`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-pub struct Classes {
+pub(crate) struct Classes {
     /// `,`
-    pub commas: u64,
+    pub(crate) commas: u64,
     /// `0`, which JSON forbids as the first digit of a longer number.
-    pub zeros: u64,
+    pub(crate) zeros: u64,
     /// Neither an ASCII digit nor a comma.
-    pub others: u64,
+    pub(crate) others: u64,
 }
 
 /// Classifies the 64 bytes of `block`.
 #[inline]
-pub fn classify(block: &[u8; 64]) -> Classes {
+pub(crate) fn classify(block: &[u8; 64]) -> Classes {
     #[cfg(target_arch = "x86_64")]
     {
         simd::classify(block)
@@ -42,15 +66,9 @@ pub fn classify(block: &[u8; 64]) -> Classes {
     }
 }
 
-/// Appends the value of each digit word of `words` to `out`, in order.
-///
-/// A digit word holds a number of up to 8 decimal digits as the values 0..=9 (the ASCII
-/// digit minus `'0'`), one per byte of the little-endian `u64`: the last digit in byte 7,
-/// the others below it, and zero in the bytes below the first digit. The 8 bytes that end
-/// at a number's last digit, XORed with `0x30` in every byte and masked to the number's
-/// length, are its digit word. Other words give unspecified values (but never a panic).
+/// Appends the value of each digit word of `words` (see [`word_value`]) to `out`, in order.
 #[inline]
-pub fn words_to_values(words: &[u64], out: &mut Vec<u32>) {
+pub(crate) fn words_to_values(words: &[u64], out: &mut Vec<u32>) {
     #[cfg(target_arch = "x86_64")]
     {
         simd::words_to_values(words, out);
@@ -61,7 +79,13 @@ pub fn words_to_values(words: &[u64], out: &mut Vec<u32>) {
     }
 }
 
-/// The value of one digit word (see [`words_to_values`]).
+/// The value of one digit word.
+///
+/// A digit word holds a number of up to 8 decimal digits as the values 0..=9 (the ASCII
+/// digit minus `'0'`), one per byte of the little-endian `u64`: the last digit in byte 7,
+/// the others below it, and zero in the bytes below the first digit. The 8 bytes that end
+/// at a number's last digit, XORed with `0x30` in every byte and masked to the number's
+/// length, are its digit word. Other words give unspecified values (but never a panic).
 #[inline]
 pub fn word_value(word: u64) -> u32 {
     portable::word_value(word)
@@ -72,7 +96,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// The digit word of `n` (< 10^8) as [`words_to_values`] describes it.
+    /// The digit word of `n` (< 10^8) as [`word_value`] describes it.
     fn word_of(n: u32) -> u64 {
         let text = n.to_string();
         let mut bytes = [0u8; 8];
@@ -107,7 +131,141 @@ mod tests {
         }
     }
 
+    /// The complete ids of a compact list from `start` on, one at a time: their values, and
+    /// where each starts plus where the first incomplete or invalid one starts.
+    fn model(body: &[u8], start: usize) -> (Vec<u32>, Vec<usize>) {
+        let (mut values, mut starts) = (Vec::new(), vec![start]);
+        let mut at = start;
+        loop {
+            let digits = body[at.min(body.len())..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count();
+            let text = &body[at..at + digits];
+            let valid = (1..=10).contains(&digits) && !(digits > 1 && text[0] == b'0');
+            let value = std::str::from_utf8(text)
+                .ok()
+                .and_then(|t| t.parse::<u32>().ok());
+            match (valid, value, body.get(at + digits)) {
+                (true, Some(value), Some(b',')) => {
+                    values.push(value);
+                    at += digits + 1;
+                    starts.push(at);
+                }
+                _ => return (values, starts),
+            }
+        }
+    }
+
+    /// What a scan took is a prefix of the model's ids, and it resumes where the next starts.
+    fn check_scan(
+        name: &str,
+        scan: fn(&[u8], usize, &mut Vec<u32>) -> usize,
+        body: &[u8],
+        start: usize,
+    ) -> Result<usize, TestCaseError> {
+        let (values, starts) = model(body, start);
+        let mut out = vec![7];
+        let resume = scan(body, start, &mut out);
+        let taken = out.len() - 1;
+        prop_assert_eq!(out[0], 7, "{}: the output's existing values stay", name);
+        prop_assert!(
+            taken <= values.len(),
+            "{}: took {} of {}",
+            name,
+            taken,
+            values.len()
+        );
+        prop_assert_eq!(&out[1..], &values[..taken], "{}", name);
+        prop_assert_eq!(resume, starts[taken], "{}: resumes at the next id", name);
+        Ok(taken)
+    }
+
+    /// Both scans (the AVX-512 one where the CPU has it) against the model; on a list of
+    /// short valid ids both take the same.
+    fn check_both_scans(body: &[u8], start: usize, clean: bool) -> Result<(), TestCaseError> {
+        let by_words = check_scan("list.rs", list::compact_ids, body, start)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx512 = |body: &[u8], start, out: &mut Vec<u32>| {
+                simd::compact_ids(body, start, out).unwrap_or(start)
+            };
+            if simd::compact_ids(b"", 0, &mut Vec::new()).is_some() {
+                let by_blocks = check_scan("AVX-512", avx512, body, start)?;
+                if clean {
+                    prop_assert_eq!(by_blocks, by_words);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A compact list of `ids` after a short prefix, the index of its first id, and the body.
+    fn list_body(ids: &[u32], tail: &str) -> (Vec<u8>, usize) {
+        let list = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let body = format!(r#"{{"token_ids":[{list}{tail}"#).into_bytes();
+        (body, 14)
+    }
+
+    #[test]
+    fn the_scans_take_whole_blocks_of_a_clean_list() {
+        let ids: Vec<u32> = (0..2_000u32).map(|k| k * 7_919 % 9_999_999).collect();
+        let (body, start) = list_body(&ids, "]}");
+        let mut out = Vec::new();
+        let resume = compact_ids(&body, start, &mut out);
+        // All but the last block's worth; the caller's loop does the rest.
+        assert!(out.len() > ids.len() - 20, "{} of {}", out.len(), ids.len());
+        assert_eq!(out, ids[..out.len()]);
+        assert!(check_both_scans(&body, start, true).is_ok());
+        assert!(resume < body.len());
+    }
+
+    #[test]
+    fn the_scans_stop_at_every_kind_of_damage_at_every_byte() {
+        let ids: Vec<u32> = (0..300u32).map(|k| k * 7_919 % 1_500_000).collect();
+        let (clean, start) = list_body(&ids, "]}");
+        for at in start..clean.len() {
+            for byte in *b"0,] x-9\0" {
+                let mut body = clean.clone();
+                body[at] = byte;
+                if let Err(e) = check_both_scans(&body, start, false) {
+                    panic!("byte {byte:?} at {at}: {e}");
+                }
+            }
+        }
+    }
+
     proptest! {
+        #[test]
+        fn the_scans_agree_with_the_model_on_lists(
+            ids in prop::collection::vec(
+                prop_oneof![0u32..10, 0u32..1_000, 0u32..200_000, 0u32..10_000_000, any::<u32>()],
+                0..600,
+            ),
+            offset in 8usize..80,
+        ) {
+            let list = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+            let body = format!("{}{list},", " ".repeat(offset)).into_bytes();
+            let short = ids.iter().all(|&id| id < 10_000_000);
+            check_both_scans(&body, offset, short)?;
+        }
+
+        #[test]
+        fn the_scans_agree_with_the_model_on_arbitrary_bytes(
+            body in prop::collection::vec(
+                prop_oneof![
+                    12 => prop::sample::select(b"123456789".to_vec()),
+                    3 => Just(b','),
+                    1 => Just(b'0'),
+                    1 => any::<u8>(),
+                ],
+                0..1_500,
+            ),
+            start in 0usize..40,
+        ) {
+            check_both_scans(&body, start.min(body.len()), false)?;
+        }
+
         #[test]
         fn classify_agrees_with_the_portable_code(
             bytes in prop::collection::vec(

@@ -3,18 +3,17 @@
 //! On a 2,048-token body, serde spent over half of the server's CPU on `token_ids`: a visitor
 //! call chain per element, and with `RawValue` still a full syntax pass before any
 //! conversion. [`split_token_ids`] instead walks the top level of the body object once, parses
-//! the `token_ids` array in place (its compact part 64 bytes at a time, scan.rs; the rest one
-//! id at a time with a SWAR digit loop), and hands the remaining (small) object to serde. It only has to be right on the shapes it accepts: anything unusual
-//! (escaped keys, a duplicate key, `null`, negative or fractional ids, ids ≥ 2^32, leading
-//! zeros, stray bytes) returns `None`, and the caller parses the whole body the exact way,
+//! the `token_ids` array in place (its compact part 64 bytes at a time, `digit_scan`; the rest
+//! one id at a time with a SWAR digit loop), and hands the remaining (small) object to serde.
+//! It only has to be right on the shapes it accepts: anything unusual (escaped keys, a
+//! duplicate key, `null`, negative or fractional ids, ids ≥ 2^32, leading zeros, stray bytes)
+//! returns `None`, and the caller parses the whole body the exact way,
 //! with serde's error messages and field paths.
 //!
 //! Why the split cannot accept an invalid body: the cut-out member is validated here
 //! (grammar of an array of integers), and everything else is validated by serde afterwards;
 //! strings are skipped by the same grammar serde uses, so both agree on where the top-level
 //! members start.
-
-mod scan;
 
 /// Splits a JSON object body into its `token_ids` (an array of plain u32 literals) and the
 /// body without that member. `None` when the body has no such member or anything is unusual.
@@ -104,7 +103,7 @@ fn parse_token_array(body: &[u8], i: usize) -> Option<(Vec<u32>, usize)> {
     if body.get(i) == Some(&b']') {
         return Some((out, i + 1));
     }
-    let resume = scan::compact_ids(body, i, &mut out);
+    let resume = digit_scan::compact_ids(body, i, &mut out);
     // After a comma the general loop expects the next value's first byte.
     finish_array(body, skip_ws(body, resume), out)
 }
@@ -152,7 +151,7 @@ fn swar_digits(rest: &[u8]) -> Option<(u32, usize)> {
 }
 
 /// The value of the `len` (1..=7) digits in the low lanes of `x = word ^ 0x30…30`, first
-/// digit lowest: shifted up, they are a digit word (`digit_scan::words_to_values`).
+/// digit lowest: shifted up, they are a digit word (`digit_scan::word_value`).
 #[inline(always)]
 fn digits_value(x: u64, len: u32) -> u32 {
     // Shifting up drops the lanes past the id and pads the front with zero digits.
@@ -457,7 +456,7 @@ mod tests {
                 let mut body = clean.clone().into_bytes();
                 body[at] = byte;
                 let mut out = Vec::new();
-                if scan::compact_ids(&body, open, &mut out) > open + 64 {
+                if digit_scan::compact_ids(&body, open, &mut out) > open + 64 {
                     scanned += 1;
                 }
                 assert_eq!(

@@ -1,18 +1,13 @@
-//! The compact part of a long token-id array (`12,345,6789,…`), 64 bytes at a time.
+//! Compact decimal lists (`12,345,6789,…`) 64 bytes at a time, with the words of each
+//! block's ids converted in bulk: the version for CPUs without AVX-512, and the model the
+//! AVX-512 version (simd.rs) is tested against.
 //!
 //! Parsing one id after another is bound by a chain of dependent steps: an id's end is only
 //! known once its bytes are classified, and that end is where the next id starts. Here the
-//! commas of a whole 64-byte block come out of one classification (`digit_scan::classify`,
+//! commas of a whole 64-byte block come out of one classification ([`crate::classify`],
 //! SSE2 on x86-64), so every id's position is known up front; an id's digit word is the 8
 //! bytes that end at its comma, masked to its length, and the words are converted in bulk
-//! (`digit_scan::words_to_values`, four at a time with AVX2). docs/hot-path.md has the
-//! figures.
-//!
-//! Validation is per block, on the masks: a block is taken only if it holds nothing but
-//! digits and commas, no comma starts an id (`,,`, or a comma first) and no `0` starts an id
-//! of two or more digits; an id of 8 or more digits is left to the caller. So every byte
-//! taken was checked against the same `digits,digits,…,` rule the one-id-at-a-time loop
-//! applies, and whatever this stops at, that loop parses (or rejects) from there.
+//! ([`crate::words_to_values`], four at a time with AVX2).
 
 /// Digit words collected before they are converted.
 const BATCH: usize = 512;
@@ -30,10 +25,8 @@ const KEEP: [u64; 8] = {
     keep
 };
 
-/// Takes the compact ids from `body[start]` (an id's first byte, or what stands there) on,
-/// while whole blocks of digits and commas remain, and appends them to `out`; returns the
-/// index of the first id it did not take, where the caller's loop continues.
-pub(super) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usize {
+/// [`crate::compact_ids`], taking ids one comma at a time within a block.
+pub(crate) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usize {
     let mut words = [0u64; BATCH];
     let mut filled = 0;
     let mut base = start;
@@ -52,19 +45,21 @@ pub(super) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usiz
         let Some(block) = window.last_chunk::<64>() else {
             break;
         };
-        let classes = digit_scan::classify(block);
+        let classes = crate::classify(block);
         // The array's end or whitespace: the caller's loop takes it from there.
         if classes.others != 0 {
             break;
         }
-        let starts = (classes.commas << 1) | after_comma;
-        let next_is_digit = body.get(base + 64).is_some_and(u8::is_ascii_digit);
-        let digit_follows = (!classes.commas >> 1) | (u64::from(next_is_digit) << 63);
-        if classes.commas & starts != 0 || classes.zeros & starts & digit_follows != 0 {
-            break; // an empty id or a leading zero: the caller's loop reports it
+        if !ids_well_formed(
+            classes.commas,
+            classes.zeros,
+            after_comma,
+            body.get(base + 64),
+        ) {
+            break;
         }
         if filled + 64 > BATCH {
-            digit_scan::words_to_values(&words[..filled], out);
+            crate::words_to_values(&words[..filled], out);
             filled = 0;
         }
         let mut commas = classes.commas;
@@ -85,6 +80,23 @@ pub(super) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usiz
         from = from.wrapping_sub(64);
         base += 64;
     }
-    digit_scan::words_to_values(&words[..filled], out);
+    crate::words_to_values(&words[..filled], out);
     base.wrapping_add(from)
+}
+
+/// Whether a block of digits and commas (masks of its `commas` and `zeros`) holds no empty
+/// id and no leading zero. `after_comma` (bit 0) says whether the block's first byte starts
+/// an id; `next` is the byte after the block, which says whether a `0` in its last byte is
+/// an id's first digit of several.
+#[inline(always)]
+pub(crate) fn ids_well_formed(
+    commas: u64,
+    zeros: u64,
+    after_comma: u64,
+    next: Option<&u8>,
+) -> bool {
+    let starts = (commas << 1) | after_comma;
+    let next_is_digit = next.is_some_and(u8::is_ascii_digit);
+    let digit_follows = (!commas >> 1) | (u64::from(next_is_digit) << 63);
+    commas & starts == 0 && zeros & starts & digit_follows == 0
 }
