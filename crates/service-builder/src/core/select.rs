@@ -255,13 +255,12 @@ impl SelectionCore {
                 response: response_base,
                 routing,
             } = scheduled;
-            let tracking = scratch.tracking.clone();
             let mut kv_hint = None;
             if let (Some(claim), Some(id)) = (claim.as_ref(), selection_id.as_ref()) {
                 let booking = Booking {
                     id: &claim.rid,
                     worker: selection.worker,
-                    tracking: &tracking,
+                    tracking: &scratch.tracking,
                     isl,
                     prefill: Some(selection.effective_prefill_tokens),
                     track,
@@ -294,7 +293,7 @@ impl SelectionCore {
                 };
                 let value = PendingSelection {
                     worker: selection.worker,
-                    tracking_hashes: tracking.clone(),
+                    tracking_hashes: scratch.tracking.clone(),
                     isl,
                     effective_prefill_tokens: selection.effective_prefill_tokens,
                     expected_output_tokens: req.expected_output_tokens,
@@ -328,7 +327,9 @@ impl SelectionCore {
                 // The request's own id (or the generated one) moves into the answer; the
                 // reservation index and the ledger share the claim's copy.
                 selection_id,
-                sequence_hashes: book.then_some(tracking),
+                // Copied only where answered: a plain selection keeps its copy in the pending
+                // entry alone.
+                sequence_hashes: book.then(|| scratch.tracking.clone()),
                 isl_tokens: book.then_some(isl),
                 track_prefill_tokens: book.then_some(track),
                 worker_load: (req.advisory && !book).then_some(selection.worker_load),
