@@ -175,6 +175,11 @@ struct Run {
     descriptors: u64,
     rss_kib: u64,
     hwm_kib: u64,
+    /// Lookups that found the index held by a writer, those that waited over 50 µs, and
+    /// the longest wait (the server's `kv_select_index_lookup_*` metrics after the stream).
+    lookup_waits: u64,
+    lookup_waits_over_50us: u64,
+    lookup_wait_max: Duration,
 }
 
 impl Run {
@@ -436,7 +441,17 @@ async fn drive(
         .with_context(|| format!("unexpected publisher answer {done:?}"))?;
 
     verify(w, &mut conn).await?;
+    let text = metrics(&mut conn).await?;
+    let lookup_wait_max = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("kv_select_index_lookup_wait_max_seconds"))
+        .filter_map(|rest| rest.rsplit_once(' '))
+        .filter_map(|(_, v)| v.parse::<f64>().ok())
+        .fold(0.0, f64::max);
     Ok(Run {
+        lookup_waits: gauge(&text, "kv_select_index_lookup_waits_total"),
+        lookup_waits_over_50us: gauge(&text, "kv_select_index_lookup_waits_over_50us_total"),
+        lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
         blocks: w.stream_blocks(),
         applied_in,
         published_in,
@@ -616,12 +631,12 @@ fn print_table(w: &Workload, runs: &[Run]) {
         w.shared * 100.0
     );
     println!(
-        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  selects  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
+        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  selects  lock waits  > 50 µs  longest (µs)  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, r) in runs.iter().enumerate() {
         println!(
-            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>7}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
+            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>7}  {:>10}  {:>7}  {:>12.0}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
             i + 1,
             r.rate() / 1e6,
             cpu(r),
@@ -630,6 +645,9 @@ fn print_table(w: &Workload, runs: &[Run]) {
             us(r.percentile(99.0)),
             us(r.selects.last().copied().unwrap_or_default()),
             r.selects.len(),
+            r.lookup_waits,
+            r.lookup_waits_over_50us,
+            us(r.lookup_wait_max),
             r.registration.as_secs_f64(),
             r.threads,
             r.descriptors,

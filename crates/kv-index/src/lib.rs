@@ -110,6 +110,7 @@
 //! index_lookup` (`index_apply`, `index_memory`) reproduces them.
 
 mod capacity;
+mod gate;
 mod index;
 mod lower;
 mod owners;
@@ -120,6 +121,7 @@ pub mod snapshot;
 mod tiers;
 mod ttl;
 
+pub use gate::{GateCounts, ReadGate};
 pub use index::{
     ApplyCounters, ApplyOutcome, ApproxCachePolicy, IndexConfig, IndexConfigError,
     IndexConfigWarning, KvIndex, RecordOutcome,

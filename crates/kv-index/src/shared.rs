@@ -5,11 +5,15 @@ use std::time::Instant;
 use kv_types::{BlockHash, KvOperation, KvOperationKind, WorkerId, WorkerKey};
 use parking_lot::{Mutex, RwLock, RwLockWriteGuard};
 
+use crate::gate::ReadGate;
 use crate::index::{ApplyCounters, ApplyOutcome, KvIndex, RecordOutcome};
 use crate::primary::OverlapScores;
 
 /// Longest run of blocks a store applies under one write lock (~13 µs at 10 M blocks/s).
 pub const STORE_PIECE_BLOCKS: usize = 128;
+
+/// Blocks of a batch applied in one write section between two chances for waiting lookups.
+const SECTION_BLOCKS: usize = 32;
 use crate::tiers::TieredMatches;
 
 /// Expired entries applied per write section, so a large expiry wave never holds the
@@ -123,8 +127,8 @@ impl SharedKvIndex {
 
 /// Applies one batch's operations, in order, under write sections of at most
 /// [`STORE_PIECE_BLOCKS`] blocks each, handing the lock to waiting threads between sections
-/// ([`parking_lot::RwLockWriteGuard::bump`]: a fair unlock and re-lock, free when nobody
-/// waits). A lookup still waits behind at most one section, but a batch of small events
+/// ([`ReadGate::between_sections`]: to the lookups waiting at `gate`, or a fair unlock and
+/// re-lock for threads parked on the lock; free when nobody waits). A lookup still waits behind at most one section, but a batch of small events
 /// takes the lock once per section instead of once per event: with two listener threads
 /// writing one partition, a fair unlock per event handed the lock to the other writer each
 /// time, and the futex wake-ups and context switches cost more than the writes. A `Cleared`
@@ -135,7 +139,12 @@ impl SharedKvIndex {
 /// one partition a lookup would queue behind every one of their sections (docs/hot-path.md);
 /// with the turn, at most one writer waits on the index lock, and each hand-over between
 /// sections goes to the lookups that arrived meanwhile.
-pub fn apply_batch_fairly(index: &RwLock<KvIndex>, writers: &Mutex<()>, ops: &[KvOperation]) {
+pub fn apply_batch_fairly(
+    index: &RwLock<KvIndex>,
+    writers: &Mutex<()>,
+    gate: &ReadGate,
+    ops: &[KvOperation],
+) {
     let _turn = writers.lock();
     let mut guard: Option<RwLockWriteGuard<'_, KvIndex>> = None;
     let mut section = 0usize;
@@ -147,28 +156,28 @@ pub fn apply_batch_fairly(index: &RwLock<KvIndex>, writers: &Mutex<()>, ops: &[K
         };
         if blocks > STORE_PIECE_BLOCKS {
             if let Some(held) = guard.take() {
-                RwLockWriteGuard::unlock_fair(held);
+                gate.unlock(held);
             }
             apply_fairly(index, op);
             continue;
         }
-        let held = match guard.as_mut() {
-            Some(held) if section + blocks > STORE_PIECE_BLOCKS => {
-                RwLockWriteGuard::bump(held);
+        let mut held = match guard.take() {
+            Some(held) if section + blocks > SECTION_BLOCKS => {
                 section = 0;
-                held
+                gate.between_sections(index, held)
             }
             Some(held) => held,
             None => {
                 section = 0;
-                guard.insert(index.write())
+                index.write()
             }
         };
         held.apply(op);
         section += blocks;
+        guard = Some(held);
     }
     if let Some(held) = guard {
-        RwLockWriteGuard::unlock_fair(held);
+        gate.unlock(held);
     }
 }
 

@@ -127,6 +127,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         /// `(requests, ISL tokens)` waiting, when the partition has an admission queue.
         queued: Option<(u64, u64)>,
         routing: RoutingSnapshot,
+        lookup_waits: kv_index::GateCounts,
     }
     // Copy everything out first: each index lock is held only for the reads.
     let snapshot: Vec<Row> = core
@@ -149,6 +150,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 evictions: index.primary().capacity_evictions().collect(),
                 queued: p.queue.as_ref().map(|q| q.pending()),
                 routing: p.routing.snapshot(),
+                lookup_waits: p.index_gate.counts(),
             }
         })
         .collect();
@@ -211,6 +213,32 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         MetricType::Gauge,
         snapshot.iter().map(|r| (part(r), r.bytes as u64)),
     )?;
+    rows(
+        enc,
+        "index_lookup_waits",
+        "Lookups that found the partition's index held by a writer and waited for its \
+         section to end.",
+        MetricType::Counter,
+        snapshot.iter().map(|r| (part(r), r.lookup_waits.waits)),
+    )?;
+    rows(
+        enc,
+        "index_lookup_waits_over_50us",
+        "Of those, lookups that waited longer than 50 microseconds (until they held the \
+         read lock, including any wait for a core after the writer woke them).",
+        MetricType::Counter,
+        snapshot.iter().map(|r| (part(r), r.lookup_waits.over_50us)),
+    )?;
+    let mut longest = enc.encode_descriptor(
+        "index_lookup_wait_max_seconds",
+        "The longest such wait since the partition was created.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for r in &snapshot {
+        ConstGauge::new(r.lookup_waits.longest.as_secs_f64())
+            .encode(longest.encode_family(&part(r))?)?;
+    }
     // Per worker rank, summed over partitions (a rank's blocks are in one partition; one
     // that moved keeps no count in the old one).
     let mut evictions: std::collections::BTreeMap<kv_types::WorkerKey, u64> = Default::default();

@@ -226,7 +226,12 @@ fn a_batch_in_sections_equals_its_operations_one_by_one() {
     ops.push(stored(w(0, 0), StorageTier::HostPinned, None, &[(3, 4)]));
 
     let sections = parking_lot::RwLock::new(KvIndex::with_block_size(16));
-    kv_index::apply_batch_fairly(&sections, &parking_lot::Mutex::new(()), &ops);
+    kv_index::apply_batch_fairly(
+        &sections,
+        &parking_lot::Mutex::new(()),
+        &kv_index::ReadGate::new(),
+        &ops,
+    );
     let one_by_one = SharedKvIndex::new(KvIndex::with_block_size(16));
     for op in &ops {
         one_by_one.apply(op);
@@ -251,6 +256,7 @@ fn a_batch_in_sections_equals_its_operations_one_by_one() {
 fn concurrent_batch_writers_take_turns() {
     let index = Arc::new(parking_lot::RwLock::new(KvIndex::with_block_size(16)));
     let writers = Arc::new(parking_lot::Mutex::new(()));
+    let gate = Arc::new(kv_index::ReadGate::new());
     let batch = |worker: u64, k: u64| -> Vec<kv_types::KvOperation> {
         (0..32u64)
             .map(|e| {
@@ -262,23 +268,23 @@ fn concurrent_batch_writers_take_turns() {
     };
     let done = Arc::new(AtomicBool::new(false));
     let reader = {
-        let (index, done) = (Arc::clone(&index), Arc::clone(&done));
+        let (index, done, gate) = (Arc::clone(&index), Arc::clone(&done), Arc::clone(&gate));
         thread::spawn(move || {
             let mut out = OverlapScores::new();
             let deadline = Instant::now() + Duration::from_secs(10);
             while !done.load(Ordering::Acquire) && Instant::now() < deadline {
-                index
-                    .read()
+                gate.read(&index)
                     .find_matches(&q(&[1_000_000, 1_000_001]), &mut out);
             }
         })
     };
     let threads: Vec<_> = (1..=4u64)
         .map(|worker| {
-            let (index, writers) = (Arc::clone(&index), Arc::clone(&writers));
+            let (index, writers, gate) =
+                (Arc::clone(&index), Arc::clone(&writers), Arc::clone(&gate));
             thread::spawn(move || {
                 for k in 0..20 {
-                    kv_index::apply_batch_fairly(&index, &writers, &batch(worker, k));
+                    kv_index::apply_batch_fairly(&index, &writers, &gate, &batch(worker, k));
                 }
             })
         })

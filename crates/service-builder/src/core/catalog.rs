@@ -362,6 +362,7 @@ impl SelectionCore {
             records_decisions: records_decisions(&index),
             index: RwLock::new(index),
             index_writers: Mutex::new(()),
+            index_gate: kv_index::ReadGate::new(),
             ledger: Mutex::new(Ledger::new(LedgerConfig {
                 expiry: self.config.active_request_expiry,
             })),

@@ -38,6 +38,8 @@ pub(crate) struct Partition {
     /// The listeners' turn at writing `index` ([`kv_index::apply_batch_fairly`]): one
     /// listener batch at a time, so lookups queue behind at most one write section.
     pub(crate) index_writers: Mutex<()>,
+    /// Where lookups wait for a listener's write section (asleep, not yielding their core).
+    pub(crate) index_gate: kv_index::ReadGate,
     /// The index records routing decisions (approximate mode or a predicted-TTL side
     /// index): fixed when the index is built, so bookings without it take no index lock.
     pub(super) records_decisions: bool,

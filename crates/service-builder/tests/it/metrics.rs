@@ -524,6 +524,19 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
         &text,
         r#"kv_select_index_blocks{model_name="default",routing_group="default"} 4"#,
     );
+    // No lookup ran while a writer held the index.
+    has(
+        &text,
+        r#"kv_select_index_lookup_waits_total{model_name="default",routing_group="default"} 0"#,
+    );
+    has(
+        &text,
+        r#"kv_select_index_lookup_waits_over_50us_total{model_name="default",routing_group="default"} 0"#,
+    );
+    has(
+        &text,
+        r#"kv_select_index_lookup_wait_max_seconds{model_name="default",routing_group="default"} 0.0"#,
+    );
     let bytes: u64 = text
         .lines()
         .find_map(|l| {

@@ -1,0 +1,239 @@
+//! How a lookup waits for a batch writer's section without giving its core away.
+//!
+//! A `parking_lot` reader that finds the lock write-held spins, then calls `sched_yield`
+//! up to seven times before it parks. While the listener threads keep every core busy,
+//! each of those yields puts the HTTP thread behind them for a whole time slice: during
+//! `cargo xtask bench ingest` a lookup that met a write section was back on a core 3 to 6
+//! ms later, which was the `/select` p99 (docs/hot-path.md). With a [`ReadGate`], a lookup
+//! that finds the lock taken sleeps on a condition variable instead, and the batch writer,
+//! at the end of its section, downgrades the lock, wakes the sleeping lookups and lets them
+//! in before it takes the next section.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// Longest sleep of a waiting lookup between two tries: writers other than the batch
+/// writers (a worker's removal, a recorded decision) end their sections without waking
+/// the gate.
+const RETRY_AFTER: Duration = Duration::from_micros(100);
+
+/// Longest a batch writer holds the downgraded lock for lookups it woke that have not
+/// started yet (a woken thread may wait for a core); those then get in after the next
+/// section.
+const HAND_OVER_FOR: Duration = Duration::from_micros(200);
+
+/// How long a lookup spins (without yielding) before it sleeps.
+const SPIN_FOR: Duration = Duration::from_micros(10);
+
+/// A wait longer than this is counted apart ([`GateCounts::over_50us`]): the bound a lookup
+/// should wait behind one write section.
+const LONG_WAIT: Duration = Duration::from_micros(50);
+
+/// The lookups waiting for a writer's section of one lock, and the signal that one ended.
+#[derive(Debug, Default)]
+pub struct ReadGate {
+    /// Lookups between a failed first try and their read guard.
+    waiting: AtomicUsize,
+    /// Sections ended with lookups waiting; a waiting lookup sleeps until it changes.
+    ended: Mutex<u64>,
+    signal: Condvar,
+    /// Lookups that found the lock taken, those that waited longer than [`LONG_WAIT`], and
+    /// the longest wait in nanoseconds.
+    waits: AtomicU64,
+    long_waits: AtomicU64,
+    longest_ns: AtomicU64,
+}
+
+/// What the lookups of one [`ReadGate`] waited, since it was made.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct GateCounts {
+    /// Lookups that found the lock write-held (and waited).
+    pub waits: u64,
+    /// Of those, the ones that waited longer than 50 µs (until their read guard, including
+    /// any wait for a core after the wake-up).
+    pub over_50us: u64,
+    /// The longest wait.
+    pub longest: Duration,
+}
+
+impl ReadGate {
+    pub fn new() -> Self {
+        ReadGate::default()
+    }
+
+    /// A read guard of `lock`, waiting (asleep) for the write section that holds it.
+    pub fn read<'a, T>(&self, lock: &'a RwLock<T>) -> RwLockReadGuard<'a, T> {
+        if let Some(guard) = lock.try_read() {
+            return guard;
+        }
+        let since = Instant::now();
+        // A section usually ends within microseconds, sooner than a sleep and a wake-up.
+        while since.elapsed() < SPIN_FOR {
+            for _ in 0..32 {
+                std::hint::spin_loop();
+            }
+            if let Some(guard) = lock.try_read() {
+                self.count_wait(since);
+                return guard;
+            }
+        }
+        // Counted before the next try, so a writer that ends its section after that try
+        // fails sees this lookup and wakes it.
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut ended = self.ended.lock();
+        let guard = loop {
+            // Tried under `ended`: a writer's signal takes it, so it cannot fall between
+            // this try and the sleep.
+            if let Some(guard) = lock.try_read() {
+                break guard;
+            }
+            let seen = *ended;
+            self.signal
+                .wait_while_for(&mut ended, |now| *now == seen, RETRY_AFTER);
+        };
+        drop(ended);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.count_wait(since);
+        guard
+    }
+
+    fn count_wait(&self, since: Instant) {
+        let waited = since.elapsed();
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        if waited > LONG_WAIT {
+            self.long_waits.fetch_add(1, Ordering::Relaxed);
+        }
+        let nanos = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        self.longest_ns.fetch_max(nanos, Ordering::Relaxed);
+    }
+
+    /// What the lookups waited so far.
+    pub fn counts(&self) -> GateCounts {
+        GateCounts {
+            waits: self.waits.load(Ordering::Relaxed),
+            over_50us: self.long_waits.load(Ordering::Relaxed),
+            longest: Duration::from_nanos(self.longest_ns.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// Whether lookups are waiting for the lock.
+    pub fn has_waiting(&self) -> bool {
+        self.waiting.load(Ordering::SeqCst) > 0
+    }
+
+    /// Ends a batch writer's section: when lookups wait, the lock is downgraded (so they
+    /// can read, and no other writer can take it), they are woken and let in, and the
+    /// writer then takes the lock again; otherwise `parking_lot`'s `bump` hands it to the
+    /// threads parked on the lock itself, if any.
+    pub fn between_sections<'a, T>(
+        &self,
+        lock: &'a RwLock<T>,
+        mut held: RwLockWriteGuard<'a, T>,
+    ) -> RwLockWriteGuard<'a, T> {
+        if !self.has_waiting() {
+            RwLockWriteGuard::bump(&mut held);
+            return held;
+        }
+        let shared = RwLockWriteGuard::downgrade(held);
+        self.wake();
+        let until = Instant::now() + HAND_OVER_FOR;
+        while self.has_waiting() && Instant::now() < until {
+            // The woken lookups may need this core.
+            std::thread::yield_now();
+        }
+        drop(shared);
+        lock.write()
+    }
+
+    /// Ends a batch writer's last section.
+    pub fn unlock<T>(&self, held: RwLockWriteGuard<'_, T>) {
+        RwLockWriteGuard::unlock_fair(held);
+        if self.has_waiting() {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        *self.ended.lock() += 1;
+        self.signal.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn an_open_lock_is_read_at_once() {
+        let gate = ReadGate::new();
+        let lock = RwLock::new(7);
+        assert_eq!(*gate.read(&lock), 7);
+        assert!(!gate.has_waiting());
+        assert_eq!(gate.counts(), GateCounts::default());
+    }
+
+    #[test]
+    fn a_waiting_lookup_gets_in_between_two_sections() {
+        let gate = Arc::new(ReadGate::new());
+        let lock = Arc::new(RwLock::new(0u32));
+        let mut held = lock.write();
+        *held = 1;
+        let reader = {
+            let (gate, lock) = (Arc::clone(&gate), Arc::clone(&lock));
+            std::thread::spawn(move || *gate.read(&lock))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !gate.has_waiting() {
+            assert!(Instant::now() < deadline, "the lookup never waited");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        // The section ends; the next one starts only after the lookup read the first's value
+        // (or after the hand-over bound, when the test machine is slow: then it reads 2).
+        let mut held = gate.between_sections(&lock, held);
+        *held = 2;
+        gate.unlock(held);
+        let seen = reader.join().expect("reader");
+        assert!(seen == 1 || seen == 2, "{seen}");
+        assert!(!gate.has_waiting());
+        let counts = gate.counts();
+        assert_eq!((counts.waits, counts.over_50us), (1, 1), "{counts:?}");
+        assert!(counts.longest >= Duration::from_millis(1), "{counts:?}");
+    }
+
+    #[test]
+    fn lookups_and_a_batch_writer_interleave_without_losing_a_wake_up() {
+        let gate = Arc::new(ReadGate::new());
+        let lock = Arc::new(RwLock::new(0u64));
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (gate, lock, stop) = (Arc::clone(&gate), Arc::clone(&lock), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut batches = 0u64;
+                while !stop.load(Ordering::Relaxed) && batches < 100_000 {
+                    let mut held = lock.write();
+                    for _ in 0..4 {
+                        *held += 1;
+                        held = gate.between_sections(&lock, held);
+                    }
+                    gate.unlock(held);
+                    batches += 1;
+                }
+            })
+        };
+        let mut last = 0;
+        for _ in 0..2_000 {
+            let now = *gate.read(&lock);
+            assert!(now >= last, "the value went back: {now} < {last}");
+            last = now;
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().expect("writer");
+        assert!(!gate.has_waiting());
+        assert_eq!(*gate.read(&lock) % 4, 0, "every batch ended");
+    }
+}
