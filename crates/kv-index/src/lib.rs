@@ -103,7 +103,10 @@
 //!   continuous writes waits up to parking_lot's fairness timeout, ~0.5 ms). Reads run in
 //!   parallel. Sharding by worker does not fit a prefix trie (every lookup would visit every
 //!   shard) and a lock-free tree costs far more code; the worst wait of a lookup is one
-//!   piece's apply time (~13 µs at 10 M blocks/s) plus scheduling.
+//!   piece's apply time (~13 µs at 10 M blocks/s) plus scheduling. The listeners' batches
+//!   ([`apply_batch_fairly`]) go in sections of 32 blocks, and a lookup that finds one
+//!   running waits for its end at a [`ReadGate`]: asleep, where parking_lot's reader would
+//!   yield its core (gate.rs).
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench

@@ -125,14 +125,15 @@ impl SharedKvIndex {
     }
 }
 
-/// Applies one batch's operations, in order, under write sections of at most
-/// [`STORE_PIECE_BLOCKS`] blocks each, handing the lock to waiting threads between sections
+/// Applies one batch's operations, in order, under write sections of at most 32 blocks
+/// each, handing the lock to waiting threads between sections
 /// ([`ReadGate::between_sections`]: to the lookups waiting at `gate`, or a fair unlock and
-/// re-lock for threads parked on the lock; free when nobody waits). A lookup still waits behind at most one section, but a batch of small events
-/// takes the lock once per section instead of once per event: with two listener threads
-/// writing one partition, a fair unlock per event handed the lock to the other writer each
-/// time, and the futex wake-ups and context switches cost more than the writes. A `Cleared`
-/// event or a store longer than a section gets sections of its own ([`apply_fairly`]).
+/// re-lock for threads parked on the lock; free when nobody waits). A lookup still waits
+/// behind at most one section, but a batch of small events takes the lock once per section
+/// instead of once per event: with two listener threads writing one partition, a fair
+/// unlock per event handed the lock to the other writer each time, and the futex wake-ups
+/// and context switches cost more than the writes. A `Cleared` event or a store longer than
+/// [`STORE_PIECE_BLOCKS`] gets sections of its own ([`apply_fairly`]).
 ///
 /// Batch writers take turns on `writers` first and hold it for the whole batch. The index
 /// lock prefers queued writers to arriving readers, so with many listener threads writing
