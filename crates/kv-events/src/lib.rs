@@ -72,8 +72,9 @@
 //!   CPU figures of these choices are in docs/hot-path.md ("KV event listeners").
 //! - Deviation: replayed batches at or below the watermark are skipped rather than re-applied.
 //! - Token ids are most of a batch's bytes, so their common integer encodings are read in
-//!   one tight loop instead of per-value calls (throughput: bench `events`, figures in
-//!   docs/hot-path.md).
+//!   one tight loop instead of per-value calls, with the marker turned into a length by a
+//!   table rather than a branch per id (throughput: bench `events` and `cargo xtask bench
+//!   ingest`, figures in docs/hot-path.md).
 
 pub mod decode;
 mod endpoint;
