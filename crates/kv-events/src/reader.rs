@@ -123,6 +123,23 @@ impl<'a> Reader<'a> {
 
     /// Any msgpack integer, widened so that the full `i64` and `u64` ranges both fit.
     pub(crate) fn read_int(&mut self) -> Result<i128, WireError> {
+        // Engine block hashes are 64-bit ints, one per block: their two encodings are read
+        // straight from the slice rather than through `rmp`'s generic reader.
+        match *self.buf {
+            [0xcf, b0, b1, b2, b3, b4, b5, b6, b7, ref rest @ ..] => {
+                self.buf = rest;
+                return Ok(i128::from(u64::from_be_bytes([
+                    b0, b1, b2, b3, b4, b5, b6, b7,
+                ])));
+            }
+            [0xd3, b0, b1, b2, b3, b4, b5, b6, b7, ref rest @ ..] => {
+                self.buf = rest;
+                return Ok(i128::from(i64::from_be_bytes([
+                    b0, b1, b2, b3, b4, b5, b6, b7,
+                ])));
+            }
+            _ => {}
+        }
         match self.peek_marker()? {
             Marker::FixPos(_) | Marker::U8 | Marker::U16 | Marker::U32 | Marker::U64 => {
                 decode::read_int::<u64, _>(&mut self.buf)
@@ -606,6 +623,24 @@ mod tests {
     fn ints_cover_both_ranges() {
         let mut r = Reader::new(&[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
         assert_eq!(r.read_int(), Ok(i128::from(u64::MAX)));
+        // The 64-bit encodings in full, with bytes after them, and cut short.
+        for v in [0, 1, i64::MAX, -1, i64::MIN, 0x0123_4567_89ab_cdef] {
+            let mut buf = Vec::new();
+            rmp::encode::write_i64(&mut buf, v).expect("vec");
+            buf.push(0xc0);
+            let mut r = Reader::new(&buf);
+            assert_eq!(r.read_int(), Ok(i128::from(v)), "{v}");
+            assert_eq!(r.remaining(), 1);
+            let mut r = Reader::new(&buf[..8]);
+            assert_eq!(r.read_int(), Err(WireError::Truncated), "{v}");
+            let mut buf = Vec::new();
+            rmp::encode::write_u64(&mut buf, v as u64).expect("vec");
+            let mut r = Reader::new(&buf);
+            assert_eq!(r.read_int(), Ok(i128::from(v as u64)), "{v}");
+            assert_eq!(r.remaining(), 0);
+            let mut r = Reader::new(&buf[..5]);
+            assert_eq!(r.read_int(), Err(WireError::Truncated), "{v}");
+        }
         let mut r = Reader::new(&[0xfe]);
         assert_eq!(r.read_int(), Ok(-2));
         let mut r = Reader::new(&[0xa1, b'x']);
