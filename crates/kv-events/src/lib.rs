@@ -70,10 +70,16 @@
 //!   checks every socket of the group on each wake-up with two system calls. The service
 //!   puts up to 64 listeners in a group and keeps at least one group per core. Per-batch
 //!   CPU figures of these choices are in docs/hot-path.md ("KV event listeners").
+//! - A listener hands the batches it decoded in one read burst to its sink together (up to
+//!   8 per call, [`KvEventSink::apply_batches`]), in order and each whole, and publishes
+//!   its watermark after the call: the service's writers take their turn on a partition
+//!   once per call, and with several listener threads writing one partition, each turn
+//!   that another thread waited for cost a futex wake-up and a context switch per batch.
 //! - Deviation: replayed batches at or below the watermark are skipped rather than re-applied.
 //! - Token ids are most of a batch's bytes, so their common integer encodings are read in
-//!   one tight loop instead of per-value calls (throughput: bench `events`, figures in
-//!   docs/hot-path.md).
+//!   one tight loop instead of per-value calls, with the marker turned into a length by a
+//!   table rather than a branch per id (throughput: bench `events` and `cargo xtask bench
+//!   ingest`, figures in docs/hot-path.md).
 
 pub mod decode;
 mod endpoint;

@@ -39,6 +39,25 @@ pub(crate) enum Kind {
     Ext,
 }
 
+/// [`UINT_EXTRA_BYTES`] of a marker that is not a fixint, u8, u16 or u32.
+const NOT_FAST: u8 = u8::MAX;
+
+/// Bytes after the marker of the unsigned ints below 2^32 (0 for a positive fixint, 1, 2
+/// and 4 for u8, u16 and u32), [`NOT_FAST`] for every other marker: one load instead of
+/// a chain of compares on the path from one id's position to the next.
+const UINT_EXTRA_BYTES: [u8; 256] = {
+    let mut t = [NOT_FAST; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        t[m] = 0;
+        m += 1;
+    }
+    t[0xcc] = 1;
+    t[0xcd] = 2;
+    t[0xce] = 4;
+    t
+};
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],
@@ -104,6 +123,23 @@ impl<'a> Reader<'a> {
 
     /// Any msgpack integer, widened so that the full `i64` and `u64` ranges both fit.
     pub(crate) fn read_int(&mut self) -> Result<i128, WireError> {
+        // Engine block hashes are 64-bit ints, one per block: their two encodings are read
+        // straight from the slice rather than through `rmp`'s generic reader.
+        match *self.buf {
+            [0xcf, b0, b1, b2, b3, b4, b5, b6, b7, ref rest @ ..] => {
+                self.buf = rest;
+                return Ok(i128::from(u64::from_be_bytes([
+                    b0, b1, b2, b3, b4, b5, b6, b7,
+                ])));
+            }
+            [0xd3, b0, b1, b2, b3, b4, b5, b6, b7, ref rest @ ..] => {
+                self.buf = rest;
+                return Ok(i128::from(i64::from_be_bytes([
+                    b0, b1, b2, b3, b4, b5, b6, b7,
+                ])));
+            }
+            _ => {}
+        }
         match self.peek_marker()? {
             Marker::FixPos(_) | Marker::U8 | Marker::U16 | Marker::U32 | Marker::U64 => {
                 decode::read_int::<u64, _>(&mut self.buf)
@@ -135,51 +171,63 @@ impl<'a> Reader<'a> {
         Ok(Some(v))
     }
 
-    /// Reads `n` ints into `out` (token ids: most of a store's bytes). `Ok(false)` when one
-    /// of them is an int outside `u32`; the reader is then left mid-array.
+    /// Reads `n` ints into `out` (token ids: most of a store's bytes), exactly as `n` calls
+    /// of [`Self::read_u32`] would. `Ok(false)` when one of them is an int outside `u32`;
+    /// the reader is then left mid-array and `out` holds the ids before it.
     pub(crate) fn read_u32_seq(&mut self, n: usize, out: &mut Vec<u32>) -> Result<bool, WireError> {
-        out.reserve(n);
-        let mut left = n;
-        // While 8 bytes remain, one load serves all three common encodings: the marker
-        // picks the value out of the big-endian word after it with selects rather than a
-        // jump per id (token ids mix fixint, u16 and u32 unpredictably).
-        while left > 0 {
-            let Some(&[m, b0, b1, b2, b3, ..]) = self.buf.first_chunk::<8>() else {
-                break;
+        let start = out.len();
+        // `n` is at most the bytes left (`read_array_len`), so this is bounded by the input.
+        out.resize(start + n, 0);
+        let mut filled = 0;
+        let res = self.read_u32_into(&mut out[start..], &mut filled);
+        out.truncate(start + filled);
+        res
+    }
+
+    /// Fills `dst` with the next `dst.len()` ints, counting the ids written in `filled`.
+    /// `Ok(false)` when one of them is an int outside `u32`.
+    fn read_u32_into(&mut self, dst: &mut [u32], filled: &mut usize) -> Result<bool, WireError> {
+        let buf = self.buf;
+        let mut pos = 0;
+        let mut slots = dst.iter_mut();
+        // While 8 bytes remain, one load serves every common encoding: token ids mix
+        // fixint, u16 and u32 in no predictable order (a 128 k vocabulary is half u16,
+        // half u32), so the marker is turned into a length and a shift through a table,
+        // not a branch per id that mispredicts every other id. Only an uncommon marker
+        // leaves this loop's straight line, for one id.
+        while let Some(&word) = buf.get(pos..).and_then(<[u8]>::first_chunk::<8>) {
+            let Some(slot) = slots.next() else {
+                self.buf = &buf[pos..];
+                return Ok(true);
             };
-            let word = u32::from_be_bytes([b0, b1, b2, b3]);
-            let (v, len) = match m {
-                0x00..=0x7f => (u32::from(m), 1),
-                0xcd => (word >> 16, 3),
-                0xce => (word, 5),
-                _ => break,
-            };
-            out.push(v);
-            self.buf = &self.buf[len..];
-            left -= 1;
-        }
-        for _ in 0..left {
-            // Positive fixints (< 128) dominate real token ids only for tiny vocabularies;
-            // u16/u32 encodings dominate otherwise, both handled without a function call.
-            let v = match *self.buf {
-                [b, ref rest @ ..] if b < 0x80 => {
-                    self.buf = rest;
-                    u32::from(b)
-                }
-                [0xcd, b0, b1, ref rest @ ..] => {
-                    self.buf = rest;
-                    u32::from(u16::from_be_bytes([b0, b1]))
-                }
-                [0xce, b0, b1, b2, b3, ref rest @ ..] => {
-                    self.buf = rest;
-                    u32::from_be_bytes([b0, b1, b2, b3])
-                }
-                _ => match self.read_u32()? {
-                    Some(v) => v,
+            let extra = UINT_EXTRA_BYTES[usize::from(word[0])];
+            if extra != NOT_FAST {
+                // The value is the `extra` bytes after the marker (the marker itself for a
+                // fixint) at the top of the big-endian word, shifted down and masked to
+                // their width.
+                let extra = usize::from(extra);
+                let x = u64::from_be_bytes(word);
+                let mask = u32::MAX >> ((32 - 8 * extra) & 31);
+                *slot = (x >> (56 - 8 * extra)) as u32 & mask;
+                pos += 1 + extra;
+            } else {
+                self.buf = &buf[pos..];
+                let one = self.read_u32();
+                pos = buf.len() - self.buf.len();
+                match one? {
+                    Some(v) => *slot = v,
                     None => return Ok(false),
-                },
-            };
-            out.push(v);
+                }
+            }
+            *filled += 1;
+        }
+        self.buf = &buf[pos..];
+        for slot in slots {
+            match self.read_u32()? {
+                Some(v) => *slot = v,
+                None => return Ok(false),
+            }
+            *filled += 1;
         }
         Ok(true)
     }
@@ -333,46 +381,213 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
-    /// The word-at-a-time path of `read_u32_seq` reads what `read_u32` reads one id at a
-    /// time: every encoding an engine may use (fixint, u8, u16, u32, u64, a negative or a
-    /// too-large int), at every distance from the end of the buffer.
+    /// What `n` calls of `read_u32` give (the behaviour `read_u32_seq` keeps): the ids
+    /// read, the result, and the bytes left after a complete read.
+    fn one_by_one(buf: &[u8], n: usize) -> (Vec<u32>, Result<bool, WireError>, Option<usize>) {
+        let mut r = Reader::new(buf);
+        let mut ids = Vec::new();
+        for _ in 0..n {
+            match r.read_u32() {
+                Ok(Some(v)) => ids.push(v),
+                Ok(None) => return (ids, Ok(false), None),
+                Err(e) => return (ids, Err(e), None),
+            }
+        }
+        (ids, Ok(true), Some(r.remaining()))
+    }
+
+    /// `read_u32_seq` over `buf` agrees with `n` calls of `read_u32`, whatever follows the
+    /// ids (so both the word-at-a-time loop and the tail are exercised).
+    fn check_seq(buf: &[u8], n: usize) {
+        let (want, want_res, want_left) = one_by_one(buf, n);
+        let mut r = Reader::new(buf);
+        let mut got = vec![7];
+        let res = r.read_u32_seq(n, &mut got);
+        assert_eq!(res, want_res, "{buf:x?}");
+        assert_eq!(got[0], 7, "appends to what `out` held");
+        assert_eq!(&got[1..], &want[..], "{buf:x?}");
+        if let Some(left) = want_left {
+            assert_eq!(r.remaining(), left, "{buf:x?}");
+        }
+    }
+
+    /// Every encoding an engine may use for a token id, with the boundary values of each
+    /// width, and the ones `read_u32` turns away (negative, too large, not an int).
+    const ENCODINGS: [&[u8]; 24] = [
+        &[0x00],
+        &[0x05],
+        &[0x7f],
+        &[0xcc, 0x00],
+        &[0xcc, 0x80],
+        &[0xcc, 0xff],
+        &[0xcd, 0x01, 0x00],
+        &[0xcd, 0x12, 0x34],
+        &[0xcd, 0xff, 0xff],
+        &[0xce, 0x00, 0x01, 0x00, 0x00],
+        &[0xce, 0x00, 0x01, 0xe2, 0x40],
+        &[0xce, 0xff, 0xff, 0xff, 0xff],
+        // Wider or signed encodings of values that fit: accepted, through `read_int`.
+        &[0xcf, 0, 0, 0, 0, 0, 0, 0x01, 0x00],
+        &[0xd0, 0x05],
+        &[0xd1, 0x7f, 0xff],
+        &[0xd2, 0x7f, 0xff, 0xff, 0xff],
+        &[0xd3, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff],
+        // Ints outside u32: `Ok(false)`.
+        &[0xcf, 0, 0, 0, 1, 0, 0, 0, 0],
+        &[0xff],
+        &[0xe0],
+        &[0xd0, 0x80],
+        // Not ints: `WrongType`.
+        &[0xc0],
+        &[0xa1, b'x'],
+        &[0xca, 0, 0, 0, 0],
+    ];
+
     #[test]
     fn u32_sequences_read_as_single_ids_do() {
-        let encodings: [&[u8]; 9] = [
-            &[0x05],
-            &[0x7f],
-            &[0xcc, 0x80],
-            &[0xcd, 0x12, 0x34],
-            &[0xce, 0x00, 0x01, 0xe2, 0x40],
-            &[0xce, 0xff, 0xff, 0xff, 0xff],
-            &[0xcf, 0, 0, 0, 0, 0, 0, 0x01, 0x00],
-            &[0xcf, 0, 0, 0, 1, 0, 0, 0, 0],
-            &[0xff],
-        ];
-        for first in 0..encodings.len() {
+        for first in 0..ENCODINGS.len() {
             for len in 1..=12 {
                 let ids: Vec<&[u8]> = (0..len)
-                    .map(|k| encodings[(first + k * 7) % encodings.len()])
+                    .map(|k| ENCODINGS[(first + k * 7) % ENCODINGS.len()])
                     .collect();
                 let buf: Vec<u8> = ids.concat();
-                let mut one = Reader::new(&buf);
-                let mut want = Vec::new();
-                let mut all = true;
-                for _ in 0..len {
-                    match one.read_u32() {
-                        Ok(Some(v)) => want.push(v),
-                        _ => {
-                            all = false;
-                            break;
-                        }
-                    }
-                }
-                let mut seq = Reader::new(&buf);
+                check_seq(&buf, len);
+                // Fewer ids asked than given: the reader stops after them.
+                check_seq(&buf, len - 1);
+                // One more asked than given: truncated.
+                check_seq(&buf, len + 1);
+            }
+        }
+    }
+
+    /// Every marker byte, through the marker table and the single-id fallback, reads as
+    /// `read_u32` reads it, with enough bytes after it for the word-at-a-time loop.
+    #[test]
+    fn every_marker_byte_reads_as_a_single_id_does() {
+        for m in 0..=u8::MAX {
+            let mut buf = vec![m, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x12];
+            buf.extend_from_slice(&[0xcd, 0x12, 0x34].repeat(4));
+            for n in 1..=3 {
+                check_seq(&buf, n);
+            }
+            buf[1..9].copy_from_slice(&[0x9a, 0xbc, 0xde, 0xf0, 0x12, 0x34, 0x56, 0x78]);
+            for n in 1..=3 {
+                check_seq(&buf, n);
+            }
+        }
+    }
+
+    #[test]
+    fn u32_sequence_boundaries_and_markers() {
+        let values = [
+            0u64,
+            1,
+            127,
+            128,
+            255,
+            256,
+            65_535,
+            65_536,
+            u64::from(u32::MAX),
+        ];
+        for &v in &values {
+            let mut one = Vec::new();
+            rmp::encode::write_uint(&mut one, v).expect("vec");
+            // Long runs of one marker (the word-at-a-time loop) and a run that ends in
+            // the tail, each value read back exactly.
+            for run in [1, 7, 8, 9, 40] {
+                let buf = one.repeat(run);
+                let mut r = Reader::new(&buf);
                 let mut got = Vec::new();
-                assert_eq!(seq.read_u32_seq(len, &mut got), Ok(all), "{buf:x?}");
-                assert_eq!(got, want, "{buf:x?}");
-                if all {
-                    assert_eq!(seq.remaining(), 0, "{buf:x?}");
+                assert_eq!(r.read_u32_seq(run, &mut got), Ok(true), "{v}");
+                assert_eq!(got, vec![u32::try_from(v).expect("fits"); run], "{v}");
+                assert_eq!(r.remaining(), 0);
+            }
+        }
+        // All markers mixed, with bytes after the ids.
+        let mut buf = Vec::new();
+        for &v in values.iter().chain(values.iter().rev()) {
+            rmp::encode::write_uint(&mut buf, v).expect("vec");
+        }
+        buf.extend_from_slice(&[0xc0; 9]);
+        check_seq(&buf, 2 * values.len());
+        let mut r = Reader::new(&buf);
+        let mut got = Vec::new();
+        assert_eq!(r.read_u32_seq(2 * values.len(), &mut got), Ok(true));
+        assert_eq!(r.remaining(), 9);
+    }
+
+    #[test]
+    fn u32_sequence_rejections_are_those_of_single_ids() {
+        let ids = |n: usize| -> Vec<u8> { [0xcd, 0x12, 0x34].repeat(n) };
+        for before in [0, 3, 8] {
+            let cases: [(&[u8], Result<bool, WireError>); 7] = [
+                (&[0xff], Ok(false)),
+                (&[0xd0, 0x80], Ok(false)),
+                (&[0xcf, 0, 0, 0, 1, 0, 0, 0, 0], Ok(false)),
+                (&[0xc0], Err(WireError::WrongType)),
+                (&[0xa1, b'x'], Err(WireError::WrongType)),
+                (&[0xcd, 0x01], Err(WireError::Truncated)),
+                (&[0xce, 0x01, 0x02, 0x03], Err(WireError::Truncated)),
+            ];
+            for (bad, want) in cases {
+                let mut buf = ids(before);
+                buf.extend_from_slice(bad);
+                buf.extend_from_slice(&ids(3)[..usize::from(want.is_ok()) * 9]);
+                let mut r = Reader::new(&buf);
+                let mut got = Vec::new();
+                assert_eq!(r.read_u32_seq(before + 4, &mut got), want, "{buf:x?}");
+                assert_eq!(got, vec![0x1234; before], "{buf:x?}");
+                check_seq(&buf, before + 4);
+            }
+        }
+        // The reserved marker is not an int: a type error, as for a single id.
+        check_seq(&[0x01, 0xc1, 0, 0, 0, 0, 0, 0, 0], 2);
+        let mut r = Reader::new(&[0x01, 0xc1, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            r.read_u32_seq(2, &mut Vec::new()),
+            Err(WireError::WrongType)
+        );
+    }
+
+    proptest::proptest! {
+        /// The sequence reader against `n` single reads, over id sequences in every
+        /// encoding (a few malformed ones among them) followed by arbitrary bytes.
+        #[test]
+        fn u32_sequences_match_single_reads(
+            ids in proptest::collection::vec(
+                (proptest::prelude::any::<u32>(), 0u8..8, proptest::prelude::any::<u8>()),
+                0..64,
+            ),
+            tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..12),
+            extra in 0usize..3,
+        ) {
+            let mut buf = Vec::new();
+            for &(v, how, byte) in &ids {
+                match how {
+                    // The smallest encoding, as engines write it, most of the time.
+                    0..=3 => {
+                        rmp::encode::write_uint(&mut buf, u64::from(v)).expect("vec");
+                    }
+                    4 => {
+                        rmp::encode::write_uint(&mut buf, u64::from(v % 256)).expect("vec");
+                    }
+                    5 => {
+                        rmp::encode::write_sint(&mut buf, i64::from(v) - (1 << 31)).expect("vec");
+                    }
+                    6 => rmp::encode::write_u64(&mut buf, u64::from(v) << (v % 33)).expect("vec"),
+                    _ => buf.push(byte),
+                }
+            }
+            buf.extend_from_slice(&tail);
+            for n in [ids.len(), ids.len() + extra] {
+                let (want, want_res, want_left) = one_by_one(&buf, n);
+                let mut r = Reader::new(&buf);
+                let mut got = Vec::new();
+                proptest::prop_assert_eq!(r.read_u32_seq(n, &mut got), want_res);
+                proptest::prop_assert_eq!(&got, &want);
+                if let Some(left) = want_left {
+                    proptest::prop_assert_eq!(r.remaining(), left);
                 }
             }
         }
@@ -408,6 +623,24 @@ mod tests {
     fn ints_cover_both_ranges() {
         let mut r = Reader::new(&[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
         assert_eq!(r.read_int(), Ok(i128::from(u64::MAX)));
+        // The 64-bit encodings in full, with bytes after them, and cut short.
+        for v in [0, 1, i64::MAX, -1, i64::MIN, 0x0123_4567_89ab_cdef] {
+            let mut buf = Vec::new();
+            rmp::encode::write_i64(&mut buf, v).expect("vec");
+            buf.push(0xc0);
+            let mut r = Reader::new(&buf);
+            assert_eq!(r.read_int(), Ok(i128::from(v)), "{v}");
+            assert_eq!(r.remaining(), 1);
+            let mut r = Reader::new(&buf[..8]);
+            assert_eq!(r.read_int(), Err(WireError::Truncated), "{v}");
+            let mut buf = Vec::new();
+            rmp::encode::write_u64(&mut buf, v as u64).expect("vec");
+            let mut r = Reader::new(&buf);
+            assert_eq!(r.read_int(), Ok(i128::from(v as u64)), "{v}");
+            assert_eq!(r.remaining(), 0);
+            let mut r = Reader::new(&buf[..5]);
+            assert_eq!(r.read_int(), Err(WireError::Truncated), "{v}");
+        }
         let mut r = Reader::new(&[0xfe]);
         assert_eq!(r.read_int(), Ok(-2));
         let mut r = Reader::new(&[0xa1, b'x']);

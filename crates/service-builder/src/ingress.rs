@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kv_events::{
-    KvEventListener, ListenerConfig, ListenerError, ListenerGroup, ListenerState, ListenerStats,
+    KvEventListener, KvEventSink, ListenerConfig, ListenerError, ListenerGroup, ListenerState,
+    ListenerStats,
 };
 use kv_types::{KvOperation, WorkerId, WorkerKey};
 use parking_lot::Mutex;
@@ -41,6 +42,24 @@ fn private_endpoint(endpoint: &str) -> Option<String> {
 /// Where decoded engine events go (the core, through a weak reference).
 pub(crate) trait IngressSink: Send + Sync + 'static {
     fn apply(&self, partition: &PartitionKey, ops: &[KvOperation]);
+}
+
+/// A listener's sink: its partition's index, through the core.
+struct PartitionSink {
+    sink: Arc<dyn IngressSink>,
+    partition: PartitionKey,
+}
+
+impl KvEventSink for PartitionSink {
+    fn apply(&self, ops: &[KvOperation]) {
+        self.sink.apply(&self.partition, ops);
+    }
+
+    /// The batches' operations in one call: applied in order, they change the index as
+    /// the batches one by one would, under one writer's turn instead of one per batch.
+    fn apply_batches(&self, ops: &[KvOperation], _batches: &[(usize, u64)]) {
+        self.sink.apply(&self.partition, ops);
+    }
 }
 
 #[derive(Debug)]
@@ -399,9 +418,10 @@ impl Ingress {
             None => {}
         }
         cfg.start_open = self.open.load(Ordering::SeqCst);
-        let sink = Arc::clone(&self.sink);
-        let pk = partition.key.clone();
-        let apply = move |ops: &[KvOperation]| sink.apply(&pk, ops);
+        let apply = PartitionSink {
+            sink: Arc::clone(&self.sink),
+            partition: partition.key.clone(),
+        };
         let lease = self.contexts.lease();
         let started_on = self.groups.group().and_then(|group| {
             KvEventListener::start_on(&group, &lease.0.ctx, cfg, Arc::new(apply))

@@ -18,6 +18,18 @@ use crate::stats::ReasonTotals;
 pub trait KvEventSink: Send + Sync + 'static {
     /// All operations of one batch (possibly empty when every event was filtered).
     fn apply(&self, ops: &[KvOperation]);
+
+    /// Several consecutive batches of one listener, in order: `batches` holds, per batch,
+    /// where its operations end in `ops`, and its seq. A listener that read several
+    /// messages in one go hands them over in one call, so a sink that takes a lock per call
+    /// takes it once for them all. The default applies them batch by batch.
+    fn apply_batches(&self, ops: &[KvOperation], batches: &[(usize, u64)]) {
+        let mut start = 0;
+        for &(end, _) in batches {
+            self.apply(ops.get(start..end).unwrap_or_default());
+            start = end;
+        }
+    }
 }
 
 impl<F> KvEventSink for F

@@ -24,6 +24,14 @@ use crate::watermark::{SeqObservation, Watermark};
 const BURST: usize = 64;
 /// Monitor events read per listener and poll round.
 const MONITOR_BURST: usize = 64;
+/// Decoded batches a listener holds before it hands them to the sink in one call
+/// ([`KvEventSink::apply_batches`]): enough that the service's writers take their turn on
+/// a partition once per few batches of a burst instead of once per batch (each turn
+/// another listener waited for is a futex wake-up and a context switch), few enough that
+/// a turn stays well under a millisecond.
+const PENDING_BATCHES: usize = 8;
+/// Operations past which the held batches go to the sink whatever their count.
+const PENDING_OPS: usize = 256;
 
 /// What a listener's handle and its state on the group's thread share.
 #[derive(Debug)]
@@ -99,7 +107,10 @@ pub(super) struct Worker {
     /// counted lost. A batch that fails to decode leaves the watermark below it (§3), so
     /// every later batch reports a gap over it again; only seqs past this one are lost.
     accounted: Option<u64>,
+    /// The operations of the decoded batches not yet handed to the sink, in order.
     ops: Vec<KvOperation>,
+    /// Where each held batch's operations end in `ops`, and its seq.
+    pending: Vec<(usize, u64)>,
     /// One limiter per drop reason: a shared one hid a new reason behind the count of an
     /// old one (only occurrences 1-3 and powers of two are logged).
     drop_log: [LogLimiter; DropReason::ALL.len()],
@@ -152,6 +163,7 @@ impl Worker {
             sink,
             shared: Arc::clone(shared),
             ops: Vec::new(),
+            pending: Vec::new(),
             drop_log: Default::default(),
             stale_log: LogLimiter::default(),
             loss_log: LogLimiter::default(),
@@ -181,6 +193,7 @@ impl Worker {
     pub(super) fn check_deadline(&mut self, registry: &mio::Registry, now: Instant) {
         if self.deadline().is_some_and(|d| now >= d) {
             self.end_replay(registry, ReplayEnd::TimedOut);
+            self.flush();
         }
     }
 
@@ -189,6 +202,7 @@ impl Worker {
         if matches!(self.mode, Mode::Replaying(_)) {
             self.end_replay(registry, ReplayEnd::Stopped);
         }
+        self.flush();
         deregister(registry, &self.sub);
         let monitor = self.monitor.as_ref().map(Monitor::reader);
         for socket in [monitor, self.dealer.as_ref()].into_iter().flatten() {
@@ -229,8 +243,15 @@ impl Worker {
 
     /// Reads up to [`BURST`] messages of the current socket. Clears its ready flag only when
     /// `ZMQ_EVENTS` shows it empty, so a listener cut off by the burst limit is let back in
-    /// without waiting for an edge. `Err` ends the listener.
+    /// without waiting for an edge. `Err` ends the listener. Every batch it decoded has
+    /// reached the sink when it returns.
     pub(super) fn on_readable(&mut self, registry: &mio::Registry) -> Result<(), ListenerState> {
+        let read = self.read_burst(registry);
+        self.flush();
+        read
+    }
+
+    fn read_burst(&mut self, registry: &mio::Registry) -> Result<(), ListenerState> {
         for _ in 0..BURST {
             if self.stopping() {
                 break;
@@ -337,10 +358,10 @@ impl Worker {
         }
     }
 
-    /// Decodes, normalizes and hands one batch to the sink; advances the watermark unless
-    /// the payload failed to decode.
+    /// Decodes and normalizes one batch and holds it for the sink (see [`Self::flush`]);
+    /// advances the watermark used for gap detection unless the payload failed to decode.
+    /// The published watermark moves once the sink has the batch.
     fn apply(&mut self, seq: u64, payload: &[u8]) -> bool {
-        self.ops.clear();
         let stats = Arc::clone(&self.shared.stats);
         let res = self
             .normalizer
@@ -353,20 +374,41 @@ impl Worker {
         }
         // Counted before the sink sees the batch, so whoever sees it sees the counts.
         stats.count_truncated(truncated);
-        self.sink.apply(&self.ops);
-        let blocks: usize = self
-            .ops
+        self.pending.push((self.ops.len(), seq));
+        self.watermark = Watermark::Live(seq);
+        if self.pending.len() >= PENDING_BATCHES || self.ops.len() >= PENDING_OPS {
+            self.flush();
+        }
+        true
+    }
+
+    /// Hands the held batches to the sink in one call, then counts them and publishes the
+    /// watermark of the last one.
+    fn flush(&mut self) {
+        let Some(&(_, last)) = self.pending.last() else {
+            return;
+        };
+        // Taken out first: if the sink panics, the listener fails (`read_guarded`) with
+        // nothing held, so its `finish` does not hand the same batches over again.
+        let mut ops = std::mem::take(&mut self.ops);
+        let mut pending = std::mem::take(&mut self.pending);
+        self.sink.apply_batches(&ops, &pending);
+        let stats = &self.shared.stats;
+        let blocks: usize = ops
             .iter()
             .map(|op| match &op.kind {
                 KvOperationKind::Stored { blocks, .. } => blocks.len(),
                 _ => 0,
             })
             .sum();
-        ListenerStats::add(&stats.batches_applied, 1);
-        ListenerStats::add(&stats.operations_applied, self.ops.len() as u64);
+        ListenerStats::add(&stats.batches_applied, pending.len() as u64);
+        ListenerStats::add(&stats.operations_applied, ops.len() as u64);
         ListenerStats::add(&stats.blocks_stored, blocks as u64);
-        self.set_watermark(seq);
-        true
+        self.shared.watermark.store(last, Ordering::Release);
+        ops.clear();
+        pending.clear();
+        self.ops = ops;
+        self.pending = pending;
     }
 
     /// Counts the seqs of `[start, end)` not accounted for yet as lost; returns how many.
@@ -384,11 +426,6 @@ impl Worker {
 
     fn account(&mut self, seq: u64) {
         self.accounted = Some(self.accounted.map_or(seq, |a| a.max(seq)));
-    }
-
-    fn set_watermark(&mut self, seq: u64) {
-        self.watermark = Watermark::Live(seq);
-        self.shared.watermark.store(seq, Ordering::Release);
     }
 
     /// §10.3: asks the engine to replay from `start` (the batches `[start, end)` are

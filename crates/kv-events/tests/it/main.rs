@@ -805,6 +805,87 @@ fn a_burst_longer_than_one_turn_is_read_to_the_end() {
     wait_until(|| listener.watermark() == Some(500));
 }
 
+/// Records every call of a sink that takes batches together: per call, the seqs of its
+/// batches and the event ids of its operations; the first call waits, so that the
+/// publisher's next batches queue up and the listener reads them in one burst.
+#[derive(Default)]
+struct BatchRecorder {
+    calls: Mutex<Vec<(Vec<u64>, Vec<u64>)>>,
+}
+
+impl kv_events::KvEventSink for BatchRecorder {
+    fn apply(&self, ops: &[KvOperation]) {
+        self.apply_batches(ops, &[(ops.len(), ops.first().map_or(0, |op| op.event_id))]);
+    }
+
+    fn apply_batches(&self, ops: &[KvOperation], batches: &[(usize, u64)]) {
+        let mut start = 0;
+        for &(end, seq) in batches {
+            assert!(start <= end && end <= ops.len(), "{batches:?}");
+            assert!(ops[start..end].iter().all(|op| op.event_id == seq));
+            start = end;
+        }
+        assert_eq!(start, ops.len());
+        let first = self.calls.lock().is_empty();
+        self.calls.lock().push((
+            batches.iter().map(|&(_, seq)| seq).collect(),
+            ops.iter().map(|op| op.event_id).collect(),
+        ));
+        if first {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+}
+
+/// Batches read in one burst reach the sink together, in order, a few at a time; each
+/// batch once; the watermark and the counters follow the last one handed over.
+#[test]
+fn a_burst_reaches_the_sink_as_consecutive_batches() {
+    let ctx = zmq::Context::new();
+    let (publisher, ep) = bind_free(&ctx, zmq::PUB);
+    let recorder = Arc::new(BatchRecorder::default());
+    let listener = KvEventListener::start(
+        ListenerConfig::new(WorkerKey::new(3, 0), ep, 4),
+        Arc::clone(&recorder) as Arc<dyn kv_events::KvEventSink>,
+    )
+    .unwrap();
+    wait_until(|| {
+        publish(&publisher, 0, &batch(vec![cleared()]));
+        std::thread::sleep(Duration::from_millis(20));
+        !recorder.calls.lock().is_empty()
+    });
+    let last = 40;
+    for seq in 1..=last {
+        publish(
+            &publisher,
+            seq,
+            &batch(vec![stored(&[seq], None), cleared()]),
+        );
+    }
+    wait_until(|| listener.watermark() == Some(last));
+    let calls = recorder.calls.lock().clone();
+    let seqs: Vec<u64> = calls.iter().flat_map(|(s, _)| s.clone()).collect();
+    // Seq 0 may have come more than once (dropped as stale after the first).
+    assert_eq!(seqs, (0..=last).collect::<Vec<_>>(), "{calls:?}");
+    for (batch_seqs, ids) in &calls {
+        assert!(batch_seqs.len() <= 8, "{calls:?}");
+        let want: Vec<u64> = batch_seqs
+            .iter()
+            .flat_map(|&s| std::iter::repeat_n(s, if s == 0 { 1 } else { 2 }))
+            .collect();
+        assert_eq!(ids, &want);
+    }
+    assert!(
+        calls.iter().any(|(s, _)| s.len() > 1),
+        "the batches queued behind the first call come together: {calls:?}"
+    );
+    let stats = listener.stats();
+    assert_eq!(get(&stats.batches_applied), last + 1);
+    assert_eq!(get(&stats.blocks_stored), last);
+    assert_eq!(get(&stats.gaps_detected), 0);
+    listener.stop();
+}
+
 /// A panicking sink fails its own listener and nothing else: the group's other streams go
 /// on, as they did when each listener had a thread.
 #[test]

@@ -63,8 +63,17 @@ impl PrefixIndex {
         let mut changed = false;
         let mut gained = 0u32;
         let mut cur = start;
+        // Whether `cur` is a leaf this call created: owned by `slot` alone, no children
+        // but the ones this loop adds. Its child is then known to be new, and nothing of it
+        // is read back (see `alloc_node`).
+        let mut cur_new = false;
         for block in blocks {
-            let (child, gain) = match self.child(cur, block.tokens_hash.0) {
+            let existing = if cur_new {
+                None
+            } else {
+                self.child(cur, block.tokens_hash.0)
+            };
+            let (child, gain) = match existing {
                 Some(c) => {
                     let gain = self.nodes[c as usize].owners.insert(slot);
                     if gain {
@@ -76,16 +85,28 @@ impl PrefixIndex {
                 None => {
                     // Created owned: no owner-set change to propagate.
                     gained += 1;
-                    let c = self.alloc_node(cur, block.tokens_hash.0, block.block_hash.0, slot);
+                    let c = self.alloc_node(
+                        cur,
+                        cur_new,
+                        block.tokens_hash.0,
+                        block.block_hash.0,
+                        slot,
+                    );
                     (c, true)
                 }
             };
+            let child_new = existing.is_none();
             let nodes = &self.nodes;
             let previous = self.workers[slot as usize].as_mut().and_then(|state| {
                 if gain && let Some(cap) = &mut state.cap {
                     cap.gained(child, cur);
                 }
-                state.insert(nodes, block.block_hash, child)
+                if child_new {
+                    // A new node's `external` is this block's hash.
+                    state.insert_own(nodes, block.block_hash, child)
+                } else {
+                    state.insert(nodes, block.block_hash, child)
+                }
             });
             if previous != Some(child) {
                 changed = true;
@@ -96,6 +117,7 @@ impl PrefixIndex {
                 }
             }
             cur = child;
+            cur_new = child_new;
         }
         if gained > 0 {
             changed = true;

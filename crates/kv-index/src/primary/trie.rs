@@ -192,7 +192,21 @@ impl PrefixIndex {
     }
 
     /// A new leaf under `parent`, owned by `slot` alone.
-    pub(super) fn alloc_node(&mut self, parent: u32, local: u64, external: u64, slot: u32) -> u32 {
+    ///
+    /// `parent_new` says that `parent` is itself a leaf the current apply call created for
+    /// `slot` (owned by it alone, no children): the new node is then its first child, with
+    /// the same owner set, and the link is written without reading either node back. The
+    /// store loop creates most nodes so, each under the one before, and a read of a node
+    /// written a moment ago waits for every store before it, the cache misses of the
+    /// map inserts among them.
+    pub(super) fn alloc_node(
+        &mut self,
+        parent: u32,
+        parent_new: bool,
+        local: u64,
+        external: u64,
+        slot: u32,
+    ) -> u32 {
         let mut node = Node::new(parent, local, external);
         node.owners.insert(slot);
         let id = match self.free_nodes.pop() {
@@ -206,6 +220,13 @@ impl PrefixIndex {
                 (self.nodes.len() - 1) as u32
             }
         };
+        if parent_new {
+            let p = &mut self.nodes[parent as usize];
+            p.first_child = id;
+            p.kids = 1 | FC_SAME;
+            self.live_nodes += 1;
+            return id;
+        }
         let (p, c) = if (parent as usize) < (id as usize) {
             let (a, b) = self.nodes.split_at_mut(id as usize);
             (&mut a[parent as usize], &b[0])

@@ -80,25 +80,11 @@ impl WorkerState {
     /// Maps `ext` to `node`; returns the previous node.
     #[inline]
     pub(super) fn insert(&mut self, nodes: &[Node], ext: ExternalHash, node: u32) -> Option<u32> {
-        let hash = ext_hash(ext.0);
-        let eq = |&id: &u32| nodes[id as usize].external == ext.0;
         if nodes[node as usize].external == ext.0 {
-            let previous = if self.foreign.is_empty() {
-                None
-            } else {
-                // The latest store names `node` by the node's own hash. A foreign hash
-                // that still maps here is no longer named by `own_at`.
-                self.aliased |= self.own_at.remove(&node).is_some();
-                let previous = self.foreign.remove(&ext);
-                if let Some(old) = previous {
-                    self.forget_own(old, ext);
-                }
-                previous
-            };
-            self.blocks
-                .insert(hash, node, eq, |&id| ext_hash(nodes[id as usize].external))
-                .or(previous)
+            self.insert_own(nodes, ext, node)
         } else {
+            let hash = ext_hash(ext.0);
+            let eq = |&id: &u32| nodes[id as usize].external == ext.0;
             let previous = self.blocks.remove(hash, eq);
             let moved = self.foreign.insert(ext, node);
             if let Some(old) = moved {
@@ -110,6 +96,35 @@ impl WorkerState {
                 .is_some_and(|prev| prev != ext);
             moved.or(previous)
         }
+    }
+
+    /// [`Self::insert`] for a `node` whose `external` is `ext`, which the caller knows
+    /// without reading the node (it just created it).
+    #[inline]
+    pub(super) fn insert_own(
+        &mut self,
+        nodes: &[Node],
+        ext: ExternalHash,
+        node: u32,
+    ) -> Option<u32> {
+        debug_assert_eq!(nodes[node as usize].external, ext.0);
+        let hash = ext_hash(ext.0);
+        let eq = |&id: &u32| nodes[id as usize].external == ext.0;
+        let previous = if self.foreign.is_empty() {
+            None
+        } else {
+            // The latest store names `node` by the node's own hash. A foreign hash
+            // that still maps here is no longer named by `own_at`.
+            self.aliased |= self.own_at.remove(&node).is_some();
+            let previous = self.foreign.remove(&ext);
+            if let Some(old) = previous {
+                self.forget_own(old, ext);
+            }
+            previous
+        };
+        self.blocks
+            .insert(hash, node, eq, |&id| ext_hash(nodes[id as usize].external))
+            .or(previous)
     }
 
     /// Drops `node`'s own-hash entry if it is `ext` (whose `foreign` entry just went).
