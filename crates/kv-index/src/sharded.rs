@@ -313,7 +313,7 @@ impl<T> ShardedTable<T> {
 
     /// Shards (for tests and diagnostics).
     #[cfg(test)]
-    fn shard_buckets(&self) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn shard_buckets(&self) -> impl Iterator<Item = usize> + '_ {
         self.shards.iter().map(|s| s.table.num_buckets())
     }
 }
