@@ -46,8 +46,8 @@ pub(super) struct WorkerState {
 ///
 /// The table's hash of an entry is made from these bits alone ([`table_hash`]), so a
 /// table that grows or a shard that splits reads no node, and a lookup reads a node only
-/// where the bits match (a random node, a cache miss, on about one lookup in seven when
-/// the entry held only the node id and `hashbrown`'s 7-bit tag was the only filter).
+/// where the bits match: `hashbrown`'s 7-bit tag alone matches a wrong entry on about one
+/// lookup in seven, and each such match would read a random node (a cache miss).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct BlockEntry {
     /// [`hash_bits`] of the node's `external`.
