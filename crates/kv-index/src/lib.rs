@@ -31,11 +31,12 @@
 //!   sequential reads and one compare per block; a hash probe happens only at real branch
 //!   points. Owner sets are sorted `u32` worker slots, the first three inline (16 bytes).
 //! - **Per-worker block maps** (`external hash → node`, needed by removes and parent
-//!   checks) are hash tables holding only the node id: the key is read
+//!   checks) are hash tables holding the node id and 32 bits of the hash: the key is read
 //!   from the node's `external` (a referenced node is never freed, its hash never
-//!   changes). The rare entry whose hash differs from its node's (another worker created
-//!   the node, or an engine reused a hash) lives in a small side map. 5 bytes per bucket
-//!   instead of 17.
+//!   changes), and only where the 32 bits match, while growing a table reads no node.
+//!   The rare entry whose hash differs from its node's (another worker created the node,
+//!   or an engine reused a hash) lives in a small side map. 9 bytes per bucket instead
+//!   of 17.
 //! - **Maps grow in shards** (`sharded.rs`): the child map and the per-worker maps are
 //!   extendible hash tables of small `hashbrown` shards, so an insert moves at most one
 //!   shard (448 entries) instead of the whole table; below 4,096 buckets a table is one

@@ -16,15 +16,17 @@
 //! where a table would double, into two half-full shards, and the directory and shard
 //! list cost about 50 bytes per shard. Lookups in a sharded table pay two more loads
 //! (directory slot, shard): about 13 ns per lookup in a table of 300 k entries whose
-//! hasher reads a node, and more where the table is cold.
+//! hasher read a node (measured before the block tables kept hash bits, see
+//! `primary/worker.rs`), and more where the table is cold.
 //!
 //! So a table gets a directory only past [`SMALL_BUCKETS`]: until then it is one inline
 //! `hashbrown` table, as cheap to reach as before, which this module doubles itself
 //! (at most 1,792 entries moved), then deals once into shards (3,584 entries). At 2,048
 //! workers every worker's block table stays that small; with the directory from the
 //! first insert, their cold directories and shard lists cost 10–20 % of the ingest
-//! rate. Every move hashes its entries first, in a loop of their own, so that the node
-//! reads of a block table overlap.
+//! rate. Every move hashes its entries first, in a loop of their own, so that a hasher
+//! that loads memory has its cache misses overlap (no table of the index has one now:
+//! the block tables keep the hash bits their hasher needs beside each node id).
 //!
 //! The directory bits come from the hash multiplied by an odd constant and shifted right
 //! by 32, which uses neither the low bits (a shard's bucket index) nor the top seven bits
@@ -313,15 +315,15 @@ impl<T> ShardedTable<T> {
 
     /// Shards (for tests and diagnostics).
     #[cfg(test)]
-    fn shard_buckets(&self) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn shard_buckets(&self) -> impl Iterator<Item = usize> + '_ {
         self.shards.iter().map(|s| s.table.num_buckets())
     }
 }
 
 /// The entries of `table` with their hashes, computed in a loop of independent loads: a
-/// block map's hasher reads each entry's node (a cache miss), and this way the misses
-/// overlap instead of waiting behind each insert (a split of 448 entries: 50-70 µs hashed
-/// one by one, mostly under 20 µs this way).
+/// hasher that reads memory elsewhere (as the block tables' did, an entry's node) then
+/// has its misses overlap instead of waiting behind each insert (a split of 448 entries:
+/// 50-70 µs hashed one by one, mostly under 20 µs this way).
 fn hashed<T>(table: HashTable<T>, hasher: &impl Fn(&T) -> u64) -> Vec<(u64, T)> {
     let mut moved: Vec<(u64, T)> = table.into_iter().map(|v| (0, v)).collect();
     for (hash, value) in &mut moved {

@@ -222,7 +222,7 @@ impl PrefixIndex {
         };
         self.memo = Memo::default();
         let mut owned = state.owned;
-        for node in state.blocks.into_iter().chain(state.foreign.into_values()) {
+        for node in (state.blocks.into_iter().map(|e| e.node)).chain(state.foreign.into_values()) {
             let n = &mut self.nodes[node as usize];
             n.refs -= 1;
             if n.owners.remove(slot) {

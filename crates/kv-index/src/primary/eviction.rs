@@ -37,7 +37,7 @@ impl PrefixIndex {
             Some(cap) => cap.set_limit(limit),
             None => {
                 // Blocks held before the declaration have no known age: id order.
-                let mut held: Vec<u32> = state.blocks.iter().copied().collect();
+                let mut held: Vec<u32> = state.blocks.iter().map(|e| e.node).collect();
                 held.extend(state.foreign.values().copied());
                 held.retain(|&n| nodes[n as usize].owners.contains(slot));
                 held.sort_unstable();

@@ -31,7 +31,7 @@ impl PrefixIndex {
             }
         }
         for state in self.workers.iter().flatten() {
-            for &id in state.blocks.iter() {
+            for id in state.blocks.iter().map(|e| e.node) {
                 let ext = ExternalHash(self.nodes[id as usize].external);
                 assert!(!state.foreign.contains_key(&ext));
                 assert_eq!(state.get(&self.nodes, ext), Some(id));

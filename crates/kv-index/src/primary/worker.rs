@@ -1,10 +1,7 @@
 //! One worker key's state in the trie: the maps from its engine's block hashes to nodes
 //! (the spec's per-worker block identity), its version, and its capacity bookkeeping.
 
-use std::hash::BuildHasher;
-
 use kv_types::{ExternalHash, WorkerKey};
-use rustc_hash::FxBuildHasher;
 
 use super::node::Node;
 use crate::capacity::Capacity;
@@ -14,12 +11,12 @@ use crate::sharded::{ShardedMap, ShardedTable};
 pub(super) struct WorkerState {
     pub(super) key: WorkerKey,
     /// External hash → node, per the spec's per-worker block identity, for the usual case
-    /// where the hash is the node's own `external`: only the 4-byte node id is stored and
-    /// the key is read from the node (a node with a map entry is never freed, and its
-    /// `external` never changes). A quarter of a `HashMap<u64, u32>` entry. Grows in
-    /// shards: growing a whole table re-reads every entry's node, milliseconds under the
+    /// where the hash is the node's own `external`: the node id and 32 bits of the hash
+    /// are stored ([`BlockEntry`]) and the key is read from the node (a node with a map
+    /// entry is never freed, and its `external` never changes). Half a `HashMap<u64, u32>`
+    /// entry. Grows in shards: growing a whole table at once takes milliseconds under the
     /// write lock at a few hundred thousand blocks.
-    pub(super) blocks: ShardedTable<u32>,
+    pub(super) blocks: ShardedTable<BlockEntry>,
     /// External hash → node where the hash differs from the node's `external` (another
     /// worker created the node under its own hash, or an engine reused a hash). Disjoint
     /// from `blocks`.
@@ -45,9 +42,42 @@ pub(super) struct WorkerState {
     pub(super) cap: Option<Capacity>,
 }
 
+/// An entry of [`WorkerState::blocks`]: a node and 32 bits of its `external`'s hash.
+///
+/// The table's hash of an entry is made from these bits alone ([`table_hash`]), so a
+/// table that grows or a shard that splits reads no node, and a lookup reads a node only
+/// where the bits match: `hashbrown`'s 7-bit tag alone matches a wrong entry on about one
+/// lookup in seven, and each such match would read a random node (a cache miss).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct BlockEntry {
+    /// [`hash_bits`] of the node's `external`.
+    bits: u32,
+    pub(super) node: u32,
+}
+
+/// The 32 bits of `ext` a [`BlockEntry`] keeps: the high half of a multiplicative hash,
+/// which every bit of `ext` but the top one reaches.
 #[inline]
-fn ext_hash(ext: u64) -> u64 {
-    FxBuildHasher.hash_one(ext)
+fn hash_bits(ext: u64) -> u32 {
+    (ext.wrapping_mul(BITS_FACTOR) >> 32) as u32
+}
+
+/// An odd factor with bits spread over its whole width.
+const BITS_FACTOR: u64 = 0xD6E8_FEB8_6659_FD93;
+
+/// The table hash of an entry with `bits`: the bits twice, so that `hashbrown`'s bucket
+/// index (low bits) and its control tag (top seven bits) come from different bits of
+/// them; the directory bits of the sharded table are a multiplicative spread of all.
+#[inline]
+fn table_hash(bits: u32) -> u64 {
+    u64::from(bits) * 0x1_0000_0001
+}
+
+/// Whether `entry` is the entry of `ext` (with `bits` its [`hash_bits`]): the node is read
+/// only when the bits agree.
+#[inline]
+fn is_entry_of(nodes: &[Node], entry: &BlockEntry, bits: u32, ext: ExternalHash) -> bool {
+    entry.bits == bits && nodes[entry.node as usize].external == ext.0
 }
 
 impl WorkerState {
@@ -72,9 +102,10 @@ impl WorkerState {
         {
             return Some(node);
         }
+        let bits = hash_bits(ext.0);
         self.blocks
-            .find(ext_hash(ext.0), |&id| nodes[id as usize].external == ext.0)
-            .copied()
+            .find(table_hash(bits), |e| is_entry_of(nodes, e, bits, ext))
+            .map(|e| e.node)
     }
 
     /// Maps `ext` to `node`; returns the previous node.
@@ -83,9 +114,11 @@ impl WorkerState {
         if nodes[node as usize].external == ext.0 {
             self.insert_own(nodes, ext, node)
         } else {
-            let hash = ext_hash(ext.0);
-            let eq = |&id: &u32| nodes[id as usize].external == ext.0;
-            let previous = self.blocks.remove(hash, eq);
+            let bits = hash_bits(ext.0);
+            let previous = self
+                .blocks
+                .remove(table_hash(bits), |e| is_entry_of(nodes, e, bits, ext))
+                .map(|e| e.node);
             let moved = self.foreign.insert(ext, node);
             if let Some(old) = moved {
                 self.forget_own(old, ext);
@@ -108,8 +141,7 @@ impl WorkerState {
         node: u32,
     ) -> Option<u32> {
         debug_assert_eq!(nodes[node as usize].external, ext.0);
-        let hash = ext_hash(ext.0);
-        let eq = |&id: &u32| nodes[id as usize].external == ext.0;
+        let bits = hash_bits(ext.0);
         let previous = if self.foreign.is_empty() {
             None
         } else {
@@ -123,7 +155,13 @@ impl WorkerState {
             previous
         };
         self.blocks
-            .insert(hash, node, eq, |&id| ext_hash(nodes[id as usize].external))
+            .insert(
+                table_hash(bits),
+                BlockEntry { bits, node },
+                |e| is_entry_of(nodes, e, bits, ext),
+                |e| table_hash(e.bits),
+            )
+            .map(|e| e.node)
             .or(previous)
     }
 
@@ -155,8 +193,10 @@ impl WorkerState {
             self.forget_own(node, ext);
             return Some(node);
         }
+        let bits = hash_bits(ext.0);
         self.blocks
-            .remove(ext_hash(ext.0), |&id| nodes[id as usize].external == ext.0)
+            .remove(table_hash(bits), |e| is_entry_of(nodes, e, bits, ext))
+            .map(|e| e.node)
     }
 
     /// Forgets every hash this worker maps to `node`; returns how many there were.
@@ -164,7 +204,9 @@ impl WorkerState {
         let mut unmapped = 0;
         if self
             .blocks
-            .remove(ext_hash(nodes[node as usize].external), |&id| id == node)
+            .remove(table_hash(hash_bits(nodes[node as usize].external)), |e| {
+                e.node == node
+            })
             .is_some()
         {
             unmapped += 1;
@@ -199,10 +241,146 @@ impl WorkerState {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use kv_types::{ExternalHash, WorkerKey};
 
+    use super::{BITS_FACTOR, WorkerState, hash_bits};
+    use crate::primary::node::{NONE, Node};
     use crate::primary::tests::{blocks, q};
     use crate::{OverlapScores, PrefixIndex, PrefixIndexStats, StoreOutcome};
+
+    /// `n` external hashes from `start` whose [`hash_bits`] are all equal: steps of the
+    /// inverse of the factor add one to the product, which leaves its high half alone
+    /// while the low half does not carry.
+    fn colliding(start: u64, n: u64) -> Vec<u64> {
+        let mut inverse = BITS_FACTOR;
+        for _ in 0..6 {
+            inverse = inverse.wrapping_mul(2u64.wrapping_sub(BITS_FACTOR.wrapping_mul(inverse)));
+        }
+        assert_eq!(BITS_FACTOR.wrapping_mul(inverse), 1);
+        let base = start.wrapping_mul(BITS_FACTOR) & !0xFFFF_FFFF;
+        let first = base.wrapping_mul(inverse);
+        (0..n)
+            .map(|i| first.wrapping_add(i.wrapping_mul(inverse)))
+            .collect()
+    }
+
+    /// A worker state holding `exts` (each the `external` of its own node) and the nodes,
+    /// checked against a plain map as it goes.
+    fn filled(exts: &[u64]) -> (WorkerState, Vec<Node>) {
+        let mut nodes = vec![Node::new(NONE, 0, 0)];
+        nodes.extend(exts.iter().map(|&e| Node::new(0, e, e)));
+        let mut state = WorkerState::new(WorkerKey::new(1, 0), 1);
+        for (i, &e) in exts.iter().enumerate() {
+            let node = i as u32 + 1;
+            assert_eq!(state.insert_own(&nodes, ExternalHash(e), node), None);
+        }
+        (state, nodes)
+    }
+
+    /// Every hash of `model` maps to its node, and the table holds nothing else.
+    fn check(state: &WorkerState, nodes: &[Node], model: &HashMap<u64, u32>) {
+        for (&e, &node) in model {
+            assert_eq!(state.get(nodes, ExternalHash(e)), Some(node), "{e:#x}");
+        }
+        let mut held: Vec<u32> = state.blocks.iter().map(|e| e.node).collect();
+        held.sort_unstable();
+        let mut expected: Vec<u32> = model.values().copied().collect();
+        expected.sort_unstable();
+        assert_eq!(held, expected);
+    }
+
+    #[test]
+    fn blocks_whose_hash_bits_collide_are_told_apart_by_their_nodes() {
+        let same = colliding(0x5eed, 1_500);
+        assert!(same.iter().all(|&e| hash_bits(e) == hash_bits(same[0])));
+        // More colliding entries than a shard holds, among ordinary ones that make the
+        // table split: the colliding shard stops splitting and grows as a plain table.
+        let mut exts = same[..1_000].to_vec();
+        exts.extend((1..20_000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        let (mut state, nodes) = filled(&exts);
+        let mut model: HashMap<u64, u32> = exts
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| (e, i as u32 + 1))
+            .collect();
+        check(&state, &nodes, &model);
+        for &absent in &same[1_000..] {
+            assert_eq!(state.get(&nodes, ExternalHash(absent)), None);
+            assert_eq!(state.remove(&nodes, ExternalHash(absent)), None);
+        }
+        // Storing a colliding hash again replaces its own entry only.
+        assert_eq!(state.insert_own(&nodes, ExternalHash(same[7]), 8), Some(8));
+        for &e in same[..1_000].iter().step_by(3) {
+            let node = model.remove(&e);
+            assert_eq!(state.remove(&nodes, ExternalHash(e)), node);
+        }
+        check(&state, &nodes, &model);
+    }
+
+    #[test]
+    fn growing_and_splitting_keeps_every_block() {
+        let exts: Vec<u64> = (1..=150_000u64)
+            .map(|i| i.wrapping_mul(0xA076_1D64_78BD_642F))
+            .collect();
+        let (state, nodes) = filled(&exts[..3_584]);
+        assert_eq!(state.blocks.shard_buckets().count(), 0, "one small table");
+        let model: HashMap<u64, u32> = exts[..3_584]
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| (e, i as u32 + 1))
+            .collect();
+        check(&state, &nodes, &model);
+        let (state, nodes) = filled(&exts);
+        assert!(
+            state.blocks.shard_buckets().count() > 256,
+            "split many times"
+        );
+        let model: HashMap<u64, u32> = exts
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| (e, i as u32 + 1))
+            .collect();
+        check(&state, &nodes, &model);
+        // Eight bytes per entry and a control byte per bucket, at a load of 7/16 to 7/8.
+        let per_entry = state.blocks.allocation_size() as f64 / exts.len() as f64;
+        assert!(
+            (9.0 * 8.0 / 7.0..=13.0 * 16.0 / 7.0 + 0.5).contains(&per_entry),
+            "{per_entry}"
+        );
+        assert!(per_entry >= 13.0 * 8.0 / 7.0, "{per_entry}");
+    }
+
+    #[test]
+    fn removed_and_unmapped_blocks_are_gone_and_the_rest_stay() {
+        let exts: Vec<u64> = (1..=10_000u64)
+            .map(|i| i.wrapping_mul(0xE703_7ED1_A0B4_28DB))
+            .collect();
+        let (mut state, nodes) = filled(&exts);
+        let mut model: HashMap<u64, u32> = exts
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| (e, i as u32 + 1))
+            .collect();
+        for (i, &e) in exts.iter().enumerate() {
+            let node = i as u32 + 1;
+            match i % 3 {
+                0 => assert_eq!(state.remove(&nodes, ExternalHash(e)), Some(node)),
+                1 => assert_eq!(state.unmap(&nodes, node), 1),
+                _ => continue,
+            }
+            model.remove(&e);
+            assert_eq!(state.get(&nodes, ExternalHash(e)), None);
+            assert_eq!(state.remove(&nodes, ExternalHash(e)), None);
+            assert_eq!(state.unmap(&nodes, node), 0);
+        }
+        check(&state, &nodes, &model);
+        for &e in model.keys() {
+            assert!(state.remove(&nodes, ExternalHash(e)).is_some());
+        }
+        assert!(state.blocks.is_empty());
+    }
 
     #[test]
     fn workers_hashing_the_same_tokens_differently_keep_their_own_hashes() {
