@@ -69,19 +69,21 @@ impl ReadGate {
             return guard;
         }
         let since = Instant::now();
-        // A section usually ends within microseconds, sooner than a sleep and a wake-up.
+        // Counted before the next try, so a writer that ends its section after that try
+        // fails sees this lookup and lets it in (and wakes it, once it sleeps).
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        // A section usually ends within microseconds, sooner than a sleep and a wake-up,
+        // and the writer hands the lock over at its end because this lookup is counted.
         while since.elapsed() < SPIN_FOR {
             for _ in 0..32 {
                 std::hint::spin_loop();
             }
             if let Some(guard) = lock.try_read() {
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
                 self.count_wait(since);
                 return guard;
             }
         }
-        // Counted before the next try, so a writer that ends its section after that try
-        // fails sees this lookup and wakes it.
-        self.waiting.fetch_add(1, Ordering::SeqCst);
         let mut ended = self.ended.lock();
         let guard = loop {
             // Tried under `ended`: a writer's signal takes it, so it cannot fall between
