@@ -50,7 +50,7 @@ pub(crate) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usiz
         if classes.others != 0 {
             break;
         }
-        if !ids_well_formed(
+        if !crate::ids_well_formed(
             classes.commas,
             classes.zeros,
             after_comma,
@@ -82,21 +82,4 @@ pub(crate) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> usiz
     }
     crate::words_to_values(&words[..filled], out);
     base.wrapping_add(from)
-}
-
-/// Whether a block of digits and commas (masks of its `commas` and `zeros`) holds no empty
-/// id and no leading zero. `after_comma` (bit 0) says whether the block's first byte starts
-/// an id; `next` is the byte after the block, which says whether a `0` in its last byte is
-/// an id's first digit of several.
-#[inline(always)]
-pub(crate) fn ids_well_formed(
-    commas: u64,
-    zeros: u64,
-    after_comma: u64,
-    next: Option<&u8>,
-) -> bool {
-    let starts = (commas << 1) | after_comma;
-    let next_is_digit = next.is_some_and(u8::is_ascii_digit);
-    let digit_follows = (!commas >> 1) | (u64::from(next_is_digit) << 63);
-    commas & starts == 0 && zeros & starts & digit_follows == 0
 }

@@ -23,7 +23,7 @@ use std::arch::x86_64::{
 };
 
 use crate::Classes;
-use crate::list::ids_well_formed;
+use crate::ids_well_formed;
 
 #[inline]
 pub(crate) fn classify(block: &[u8; 64]) -> Classes {

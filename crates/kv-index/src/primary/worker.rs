@@ -280,6 +280,14 @@ mod tests {
     }
 
     /// Every hash of `model` maps to its node, and the table holds nothing else.
+    /// The model of [`filled`]: block `exts[i]` maps to node `i + 1`.
+    fn numbered(exts: &[u64]) -> HashMap<u64, u32> {
+        exts.iter()
+            .enumerate()
+            .map(|(i, &e)| (e, i as u32 + 1))
+            .collect()
+    }
+
     fn check(state: &WorkerState, nodes: &[Node], model: &HashMap<u64, u32>) {
         for (&e, &node) in model {
             assert_eq!(state.get(nodes, ExternalHash(e)), Some(node), "{e:#x}");
@@ -300,11 +308,7 @@ mod tests {
         let mut exts = same[..1_000].to_vec();
         exts.extend((1..20_000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
         let (mut state, nodes) = filled(&exts);
-        let mut model: HashMap<u64, u32> = exts
-            .iter()
-            .enumerate()
-            .map(|(i, &e)| (e, i as u32 + 1))
-            .collect();
+        let mut model: HashMap<u64, u32> = numbered(&exts);
         check(&state, &nodes, &model);
         for &absent in &same[1_000..] {
             assert_eq!(state.get(&nodes, ExternalHash(absent)), None);
@@ -326,22 +330,14 @@ mod tests {
             .collect();
         let (state, nodes) = filled(&exts[..3_584]);
         assert_eq!(state.blocks.shard_buckets().count(), 0, "one small table");
-        let model: HashMap<u64, u32> = exts[..3_584]
-            .iter()
-            .enumerate()
-            .map(|(i, &e)| (e, i as u32 + 1))
-            .collect();
+        let model: HashMap<u64, u32> = numbered(&exts[..3_584]);
         check(&state, &nodes, &model);
         let (state, nodes) = filled(&exts);
         assert!(
             state.blocks.shard_buckets().count() > 256,
             "split many times"
         );
-        let model: HashMap<u64, u32> = exts
-            .iter()
-            .enumerate()
-            .map(|(i, &e)| (e, i as u32 + 1))
-            .collect();
+        let model: HashMap<u64, u32> = numbered(&exts);
         check(&state, &nodes, &model);
         // Eight bytes per entry and a control byte per bucket, at a load of 7/16 to 7/8.
         let per_entry = state.blocks.allocation_size() as f64 / exts.len() as f64;
@@ -358,11 +354,7 @@ mod tests {
             .map(|i| i.wrapping_mul(0xE703_7ED1_A0B4_28DB))
             .collect();
         let (mut state, nodes) = filled(&exts);
-        let mut model: HashMap<u64, u32> = exts
-            .iter()
-            .enumerate()
-            .map(|(i, &e)| (e, i as u32 + 1))
-            .collect();
+        let mut model: HashMap<u64, u32> = numbered(&exts);
         for (i, &e) in exts.iter().enumerate() {
             let node = i as u32 + 1;
             match i % 3 {
