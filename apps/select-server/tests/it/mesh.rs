@@ -29,6 +29,13 @@ impl Replica {
     /// Starts a replica publishing on `me.replica` and subscribed to every `peers` endpoint.
     /// Retries a few times: a port freed by a killed process may take a moment to rebind.
     pub(crate) fn start(me: Ports, peers: &[Ports]) -> Replica {
+        Replica::try_start(me, peers)
+            .unwrap_or_else(|| panic!("replica did not listen on {} after 5 attempts", me.http))
+    }
+
+    /// [`Replica::start`], or `None` when the ports stay taken (a port `free_port` picked
+    /// can be taken by another test's socket before the replica binds it).
+    pub(crate) fn try_start(me: Ports, peers: &[Ports]) -> Option<Replica> {
         let peer_list = peers
             .iter()
             .map(|p| format!("tcp://127.0.0.1:{}", p.replica))
@@ -44,14 +51,14 @@ impl Replica {
         ];
         for _attempt in 0..5 {
             if let Some(child) = spawn_server(me.http, &args, &[], Stdio::null()) {
-                return Replica {
+                return Some(Replica {
                     child,
                     port: me.http,
-                };
+                });
             }
             std::thread::sleep(Duration::from_millis(200));
         }
-        panic!("replica did not listen on {} after 5 attempts", me.http);
+        None
     }
 
     pub(crate) fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
@@ -159,14 +166,22 @@ pub(crate) fn warm_up(from: &Replica, to: &[&Replica], tag: &str) {
 /// bookings seen by B and C. Returns their ports (for restarts), the catalog's KV ports and
 /// the replicas.
 pub(crate) fn three_replicas() -> ([Ports; 3], [u16; 3], [Replica; 3]) {
-    let [pa, pb, pc] = [(); 3].map(|()| Ports {
-        http: free_port(),
-        replica: free_port(),
+    // Each replica names the others' ports, so a port taken before its replica binds it
+    // means new ports for all three (the ones started are stopped on drop).
+    let started = (0..3).find_map(|_| {
+        let [pa, pb, pc] = [(); 3].map(|()| Ports {
+            http: free_port(),
+            replica: free_port(),
+        });
+        let a = Replica::try_start(pa, &[pb, pc])?;
+        let b = Replica::try_start(pb, &[pa, pc])?;
+        let c = Replica::try_start(pc, &[pa, pb])?;
+        Some(([pa, pb, pc], [a, b, c]))
     });
+    let Some(([pa, pb, pc], [a, b, c])) = started else {
+        panic!("three replicas did not start on three sets of free ports");
+    };
     let kv_ports = [free_port(), free_port(), free_port()];
-    let a = Replica::start(pa, &[pb, pc]);
-    let b = Replica::start(pb, &[pa, pc]);
-    let c = Replica::start(pc, &[pa, pb]);
     for r in [&a, &b, &c] {
         r.register_catalog(&kv_ports);
     }
