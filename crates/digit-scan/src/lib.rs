@@ -1,4 +1,5 @@
-//! The compact part of select-server's `token_ids` arrays, parsed 64 bytes at a time.
+//! Token-id lists parsed 64 bytes at a time: the compact part of select-server's
+//! `token_ids` arrays (JSON), and the token ids of KV events (msgpack).
 //!
 //! A `/select` body carries a prompt as a JSON array of a few thousand token ids, and
 //! parsing it was over a third of the server's CPU per request (docs/hot-path.md). Most of
@@ -8,18 +9,36 @@
 //! [`compact_ids`] does that with AVX-512 when the CPU has it (simd.rs) and otherwise with
 //! SSE2 masks and AVX2 conversion (list.rs), with portable code on other architectures; the
 //! rest of the array's grammar (whitespace, the end, long or odd numbers) stays with the
-//! caller's one-id-at-a-time loop, where this hands over.
+//! caller's one-id-at-a-time loop, where this hands over. [`msgpack_uints`] does the same
+//! for the msgpack ints of a `BlockStored` event's token ids, with AVX-512 only (msgpack.rs).
 //!
 //! It is the workspace's only crate with `unsafe`: calling an intrinsic is `unsafe` in Rust
 //! even for a baseline feature, and safe wrappers exist only for features enabled at compile
 //! time, which would rule out detecting AVX2 or AVX-512 at run time. The unsafe code is
-//! confined to simd.rs, where every block says why it is sound; the tests compare every
-//! vector path with the portable one and the AVX-512 scan with list.rs's.
+//! confined to simd.rs and msgpack.rs, where every block says why it is sound; the tests
+//! compare every vector path with the portable one or a one-id-at-a-time model.
 
 mod list;
+#[cfg(target_arch = "x86_64")]
+mod msgpack;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+
+/// Decodes the msgpack unsigned ints at the start of `bytes` into `out`, in order, while
+/// they are positive fixints, u8s, u16s or u32s (`0x00..=0x7f`, `0xcc`, `0xcd`, `0xce`), lie
+/// whole within `bytes`, and `out` has room; returns the bytes and the ids it took. It takes
+/// every such leading id when the CPU has AVX-512 (F, BW, VBMI; msgpack.rs), and none
+/// otherwise: the caller's one-id-at-a-time loop goes on from where this stops, and is the
+/// one that decodes any other marker (a signed int, a u64) or reports a truncated array.
+pub fn msgpack_uints(bytes: &[u8], out: &mut [u32]) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(taken) = msgpack::msgpack_uints(bytes, out) {
+        return taken;
+    }
+    let _ = (bytes, out);
+    (0, 0)
+}
 
 /// Takes the ids of a compact decimal list from `body[start]` (an id's first byte, or
 /// whatever stands there) on, while whole 64-byte blocks of it remain, and appends their

@@ -187,9 +187,12 @@ impl<'a> Reader<'a> {
     /// Fills `dst` with the next `dst.len()` ints, counting the ids written in `filled`.
     /// `Ok(false)` when one of them is an int outside `u32`.
     fn read_u32_into(&mut self, dst: &mut [u32], filled: &mut usize) -> Result<bool, WireError> {
+        // The vector decoder takes the leading ids of the four common forms (all of them in
+        // what engines send) where the CPU has AVX-512; the loops below take the rest.
+        let (mut pos, taken) = digit_scan::msgpack_uints(self.buf, dst);
+        *filled += taken;
         let buf = self.buf;
-        let mut pos = 0;
-        let mut slots = dst.iter_mut();
+        let mut slots = dst[taken..].iter_mut();
         // While 8 bytes remain, one load serves every common encoding: token ids mix
         // fixint, u16 and u32 in no predictable order (a 128 k vocabulary is half u16,
         // half u32), so the marker is turned into a length and a shift through a table,
