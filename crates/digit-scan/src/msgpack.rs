@@ -19,11 +19,11 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m512i, _mm_cvtsi128_si32, _mm512_add_epi8, _mm512_castsi512_si128, _mm512_cmpeq_epi8_mask,
-    _mm512_cmpgt_epu8_mask, _mm512_cmplt_epu8_mask, _mm512_loadu_si512, _mm512_mask_mov_epi8,
-    _mm512_mask_storeu_epi32, _mm512_mask2_permutex2var_epi8, _mm512_maskz_loadu_epi8,
-    _mm512_maskz_permutexvar_epi8, _mm512_max_epu8, _mm512_movepi8_mask, _mm512_permutex2var_epi8,
-    _mm512_permutexvar_epi8, _mm512_set1_epi8, _mm512_sub_epi8,
+    __m512i, _MM_HINT_T0, _mm_cvtsi128_si32, _mm_prefetch, _mm512_add_epi8, _mm512_castsi512_si128,
+    _mm512_cmpeq_epi8_mask, _mm512_cmpgt_epu8_mask, _mm512_cmplt_epu8_mask, _mm512_loadu_si512,
+    _mm512_mask_mov_epi8, _mm512_mask_storeu_epi32, _mm512_mask2_permutex2var_epi8,
+    _mm512_maskz_loadu_epi8, _mm512_maskz_permutexvar_epi8, _mm512_max_epu8, _mm512_movepi8_mask,
+    _mm512_permutex2var_epi8, _mm512_permutexvar_epi8, _mm512_set1_epi8, _mm512_sub_epi8,
 };
 
 /// [`crate::msgpack_uints`] with AVX-512 (F, BW and VBMI, and POPCNT, which every CPU with
@@ -76,6 +76,8 @@ static BYTE_OF_LANE: [u8; 64] = {
 };
 /// The element of each byte for the four groups of 16 ids of a window.
 static GROUPS: [[u8; 64]; 2] = [spread4(0), spread4(16)];
+/// Bytes ahead of the window that each window prefetches.
+const PREFETCH_AHEAD: usize = 256;
 /// Ids a window takes at most: more doubling rounds would take more ids of one byte (fixints
 /// are rare in token ids) but lengthen every window's chain of permutes.
 const MAX_IDS: usize = 32;
@@ -114,6 +116,10 @@ unsafe fn msgpack_uints_avx512(bytes: &[u8], out: &mut [u32]) -> (usize, usize) 
     while filled < out.len() && pos < bytes.len() {
         let rest = &bytes[pos..];
         let limit = rest.len().min(64);
+        // A message's bytes arrive written by another core (the ZMQ I/O thread), and each
+        // window's load waits for the one before: fetch a few windows ahead.
+        // A prefetch never faults, whatever the address (at most a few windows past `rest`).
+        _mm_prefetch::<_MM_HINT_T0>(rest.as_ptr().wrapping_add(PREFETCH_AHEAD).cast());
         let window = if limit == 64 {
             // SAFETY: `rest` holds at least 64 bytes; `loadu` has no alignment requirement.
             unsafe { _mm512_loadu_si512(rest.as_ptr().cast()) }
