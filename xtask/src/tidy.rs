@@ -19,7 +19,7 @@ fn allowed_edges() -> BTreeMap<&'static str, &'static [&'static str]> {
         ("kv-types", &[][..]),
         ("zmq-monitor", &[][..]),
         ("digit-scan", &[][..]),
-        ("kv-events", &["kv-types", "zmq-monitor"][..]),
+        ("kv-events", &["digit-scan", "kv-types", "zmq-monitor"][..]),
         ("kv-index", LEAF),
         ("load-accounting", LEAF),
         ("selection-policy", LEAF),
