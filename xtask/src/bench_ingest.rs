@@ -180,6 +180,83 @@ struct Run {
     lookup_waits: u64,
     lookup_waits_over_50us: u64,
     lookup_wait_max: Duration,
+    /// The same selections as the service timed them (`kv_select_selection_duration_seconds`
+    /// over the stream): from the request's arrival in the selection service to its answer,
+    /// lock waits included, without the HTTP thread's or the client's waits for a core.
+    in_service: Buckets,
+}
+
+/// Counts of a latency histogram per bucket, by upper bound in seconds (the last one
+/// `+Inf`), not cumulative.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Buckets(Vec<(f64, u64)>);
+
+impl Buckets {
+    const SERIES: &str = "kv_select_selection_duration_seconds_bucket{le=\"";
+
+    /// The selection-latency histogram of a scrape.
+    fn scrape(text: &str) -> Self {
+        let mut cumulative: Vec<(f64, u64)> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix(Self::SERIES))
+            .filter_map(|rest| {
+                let (le, count) = rest.split_once("\"} ")?;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                Some((le, count.trim().parse::<f64>().ok()? as u64))
+            })
+            .collect();
+        cumulative.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut below = 0;
+        Buckets(
+            cumulative
+                .into_iter()
+                .map(|(le, n)| {
+                    let own = n.saturating_sub(below);
+                    below = below.max(n);
+                    (le, own)
+                })
+                .collect(),
+        )
+    }
+
+    /// What was counted between `before` and this scrape.
+    fn since(&self, before: &Buckets) -> Buckets {
+        Buckets(
+            self.0
+                .iter()
+                .map(|&(le, n)| {
+                    let was = before.0.iter().find(|b| b.0 == le).map_or(0, |b| b.1);
+                    (le, n.saturating_sub(was))
+                })
+                .collect(),
+        )
+    }
+
+    fn total(&self) -> u64 {
+        self.0.iter().map(|b| b.1).sum()
+    }
+
+    /// Counted above `bound` seconds (`bound` must be a bucket bound).
+    fn over(&self, bound: f64) -> u64 {
+        self.0.iter().filter(|b| b.0 > bound).map(|b| b.1).sum()
+    }
+
+    /// The upper bound of the bucket holding the `p`-th percentile, in µs.
+    fn percentile_bound_us(&self, p: f64) -> f64 {
+        let rank = (self.total() as f64 * p / 100.0).ceil() as u64;
+        let mut seen = 0;
+        for &(le, n) in &self.0 {
+            seen += n;
+            if seen >= rank.max(1) {
+                return le * 1e6;
+            }
+        }
+        f64::NAN
+    }
 }
 
 impl Run {
@@ -399,6 +476,7 @@ async fn drive(
     }
 
     let selects = SelectLoop::start(server, Duration::from_micros(select_interval_us)).await?;
+    let in_service_before = Buckets::scrape(&metrics(&mut conn).await?);
     let cpu_before = server.cpu_time();
     let recorder = perf
         .map(|out| PerfRecorder::start(server.pid(), out, perf_seconds))
@@ -430,6 +508,7 @@ async fn drive(
     let applied_in = go.elapsed();
     let server_cpu = cpu_before.and_then(|b| Some(server.cpu_time()? - b));
     let selects = selects.finish().await?;
+    let in_service = Buckets::scrape(&metrics(&mut conn).await?).since(&in_service_before);
     if let Some(r) = recorder {
         r.finish()?;
     }
@@ -452,6 +531,7 @@ async fn drive(
         lookup_waits: gauge(&text, "kv_select_index_lookup_waits_total"),
         lookup_waits_over_50us: gauge(&text, "kv_select_index_lookup_waits_over_50us_total"),
         lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
+        in_service,
         blocks: w.stream_blocks(),
         applied_in,
         published_in,
@@ -631,12 +711,12 @@ fn print_table(w: &Workload, runs: &[Run]) {
         w.shared * 100.0
     );
     println!(
-        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  selects  lock waits  > 50 µs  longest (µs)  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
+        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  longest (µs)  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, r) in runs.iter().enumerate() {
         println!(
-            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>7}  {:>10}  {:>7}  {:>12.0}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
+            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>12.0}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
             i + 1,
             r.rate() / 1e6,
             cpu(r),
@@ -645,6 +725,8 @@ fn print_table(w: &Workload, runs: &[Run]) {
             us(r.percentile(99.0)),
             us(r.selects.last().copied().unwrap_or_default()),
             r.selects.len(),
+            r.in_service.percentile_bound_us(99.0),
+            r.in_service.over(1e-3),
             r.lookup_waits,
             r.lookup_waits_over_50us,
             us(r.lookup_wait_max),
@@ -686,6 +768,33 @@ mod tests {
             labelled(text, "kv_select_index_events_total", &["status=\"ok\""]),
             9
         );
+    }
+
+    #[test]
+    fn the_selection_histogram_is_read_per_bucket_and_differenced() {
+        let scrape = |a: u64, b: u64, c: u64| {
+            format!(
+                "# TYPE kv_select_selection_duration_seconds histogram\n\
+                 kv_select_selection_duration_seconds_bucket{{le=\"0.0001\"}} {a}\n\
+                 kv_select_selection_duration_seconds_bucket{{le=\"0.001\"}} {b}\n\
+                 kv_select_selection_duration_seconds_bucket{{le=\"+Inf\"}} {c}\n\
+                 kv_select_selection_duration_seconds_count {c}\n"
+            )
+        };
+        let before = Buckets::scrape(&scrape(1, 1, 1));
+        let after = Buckets::scrape(&scrape(91, 199, 201));
+        assert_eq!(
+            after,
+            Buckets(vec![(1e-4, 91), (1e-3, 108), (f64::INFINITY, 2)])
+        );
+        let d = after.since(&before);
+        assert_eq!(d.total(), 200);
+        assert_eq!(d.over(1e-3), 2);
+        assert_eq!(d.over(1e-4), 110);
+        assert_eq!(d.percentile_bound_us(50.0), 1e3);
+        assert_eq!(d.percentile_bound_us(45.0), 100.0);
+        assert_eq!(d.percentile_bound_us(99.0), 1e3);
+        assert_eq!(d.percentile_bound_us(99.5), f64::INFINITY);
     }
 
     #[test]
