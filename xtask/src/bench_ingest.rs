@@ -168,8 +168,8 @@ struct Run {
     /// The publisher's own time to send everything.
     published_in: Duration,
     server_cpu: Option<Duration>,
-    /// `/select` latencies during the stream, sorted.
-    selects: Vec<Duration>,
+    /// `/select` latencies during the stream.
+    selects: Selects,
     registration: Duration,
     threads: u64,
     descriptors: u64,
@@ -270,7 +270,15 @@ impl Run {
     }
 
     fn percentile(&self, p: f64) -> Duration {
-        percentile(&self.selects, p)
+        percentile(&self.selects.observed, p)
+    }
+
+    /// The `p`-th percentile less the client's own waits for a core (NaN without them).
+    fn percentile_less_client_waits_us(&self, p: f64) -> f64 {
+        if self.selects.less_client_waits.is_empty() {
+            return f64::NAN;
+        }
+        us(percentile(&self.selects.less_client_waits, p))
     }
 
     fn summary(&self) -> String {
@@ -281,7 +289,7 @@ impl Run {
                 .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.3}")),
             us(self.percentile(50.0)),
             us(self.percentile(99.0)),
-            self.selects.len()
+            self.selects.observed.len()
         )
     }
 }
@@ -646,54 +654,116 @@ async fn probe(
     Ok(())
 }
 
-/// `/select` at a fixed interval on one connection until stopped.
+/// `/select` at a fixed interval on one connection until stopped, from a thread of its
+/// own: on the driver's thread a response could wait behind the parse of a `/metrics` poll.
 #[derive(Debug)]
 struct SelectLoop {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<Vec<Duration>>>,
+    thread: std::thread::JoinHandle<Result<Selects>>,
+}
+
+/// The `/select` latencies of a stream, each sorted.
+#[derive(Debug, Clone, Default)]
+struct Selects {
+    /// As the client saw them: from the request's write to the response's end.
+    observed: Vec<Duration>,
+    /// The same, less the time the client thread itself waited for a core meanwhile (its
+    /// run-queue delay, `/proc/thread-self/schedstat`): on two cores shared with the server
+    /// and the publisher, the client's wake-up after the response is part of what it
+    /// observes. Empty where the kernel does not report it.
+    less_client_waits: Vec<Duration>,
+}
+
+/// Nanoseconds the calling thread has waited on a run queue (the second field of
+/// `/proc/thread-self/schedstat`).
+fn run_queue_wait() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    text.split_whitespace().nth(1)?.parse().ok()
 }
 
 impl SelectLoop {
     async fn start(server: &ServerProcess, interval: Duration) -> Result<Self> {
-        let mut conn = connect(server.addr).await?;
-        // A prompt below shared prefix 0, so each lookup walks the trie the stream writes.
-        let mut tokens = prefix_tokens(0);
-        tokens.extend((0..4 * BLOCK_SIZE as u32).map(|t| 127_000 - t));
-        let body = Bytes::from(json!({ "token_ids": tokens }).to_string());
-        let (status, answer) = send(&mut conn, Method::POST, "/select", body.clone()).await?;
-        ensure!(
-            status == StatusCode::OK,
-            "probe /select: {status} {}",
-            String::from_utf8_lossy(&answer)
-        );
-        let (stop, mut stopped) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(async move {
-            let mut latencies = Vec::with_capacity(1 << 16);
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = &mut stopped => break,
-                    _ = tick.tick() => {}
-                }
-                let t = Instant::now();
-                let (status, _) = send(&mut conn, Method::POST, "/select", body.clone()).await?;
-                latencies.push(t.elapsed());
-                ensure!(
-                    status == StatusCode::OK,
-                    "/select during the stream: {status}"
-                );
-            }
-            latencies.sort_unstable();
-            Ok(latencies)
-        });
-        Ok(Self { stop, task })
+        let addr = server.addr;
+        let (ready, probed) = tokio::sync::oneshot::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("bench-select".into())
+            .spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .context("failed to start the select loop's runtime")?
+                    .block_on(select_loop(addr, interval, ready, stopped))
+            })
+            .context("failed to start the select loop's thread")?;
+        match probed.await {
+            Ok(()) => Ok(Self { stop, thread }),
+            // The loop ended before its probe answered: its error says why.
+            Err(_) => match thread.join() {
+                Ok(result) => result.and_then(|_| bail!("the select loop ended at once")),
+                Err(_) => bail!("select loop panicked"),
+            },
+        }
     }
 
-    async fn finish(self) -> Result<Vec<Duration>> {
+    async fn finish(self) -> Result<Selects> {
         let _ = self.stop.send(());
-        self.task.await.context("select loop panicked")?
+        tokio::task::spawn_blocking(move || self.thread.join())
+            .await
+            .context("select loop join")?
+            .map_err(|_| anyhow::anyhow!("select loop panicked"))?
     }
+}
+
+async fn select_loop(
+    addr: std::net::SocketAddr,
+    interval: Duration,
+    ready: tokio::sync::oneshot::Sender<()>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) -> Result<Selects> {
+    let mut conn = connect(addr).await?;
+    // A prompt below shared prefix 0, so each lookup walks the trie the stream writes.
+    let mut tokens = prefix_tokens(0);
+    tokens.extend((0..4 * BLOCK_SIZE as u32).map(|t| 127_000 - t));
+    let body = Bytes::from(json!({ "token_ids": tokens }).to_string());
+    let (status, answer) = send(&mut conn, Method::POST, "/select", body.clone()).await?;
+    ensure!(
+        status == StatusCode::OK,
+        "probe /select: {status} {}",
+        String::from_utf8_lossy(&answer)
+    );
+    let _ = ready.send(());
+    let mut selects = Selects {
+        observed: Vec::with_capacity(1 << 16),
+        less_client_waits: Vec::with_capacity(1 << 16),
+    };
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = &mut stopped => break,
+            _ = tick.tick() => {}
+        }
+        let waited_before = run_queue_wait();
+        let t = Instant::now();
+        let (status, _) = send(&mut conn, Method::POST, "/select", body.clone()).await?;
+        let took = t.elapsed();
+        selects.observed.push(took);
+        if let (Some(before), Some(after)) = (waited_before, run_queue_wait()) {
+            let waited = Duration::from_nanos(after.saturating_sub(before));
+            selects.less_client_waits.push(took.saturating_sub(waited));
+        }
+        ensure!(
+            status == StatusCode::OK,
+            "/select during the stream: {status}"
+        );
+    }
+    selects.observed.sort_unstable();
+    selects.less_client_waits.sort_unstable();
+    if selects.less_client_waits.len() != selects.observed.len() {
+        selects.less_client_waits.clear();
+    }
+    Ok(selects)
 }
 
 #[expect(
@@ -711,20 +781,21 @@ fn print_table(w: &Workload, runs: &[Run]) {
         w.shared * 100.0
     );
     println!(
-        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  longest (µs)  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
+        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  longest (µs)  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, r) in runs.iter().enumerate() {
         println!(
-            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>12.0}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
+            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>12.0}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
             i + 1,
             r.rate() / 1e6,
             cpu(r),
             r.published_in.as_secs_f64(),
             us(r.percentile(50.0)),
             us(r.percentile(99.0)),
-            us(r.selects.last().copied().unwrap_or_default()),
-            r.selects.len(),
+            us(r.selects.observed.last().copied().unwrap_or_default()),
+            r.percentile_less_client_waits_us(99.0),
+            r.selects.observed.len(),
             r.in_service.percentile_bound_us(99.0),
             r.in_service.over(1e-3),
             r.lookup_waits,
@@ -740,12 +811,14 @@ fn print_table(w: &Workload, runs: &[Run]) {
     if runs.len() > 1 {
         let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
         println!(
-            "median {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}",
+            "median {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}",
             m(&|r| r.rate() / 1e6),
             m(&cpu),
             m(&|r| r.published_in.as_secs_f64()),
             m(&|r| us(r.percentile(50.0))),
             m(&|r| us(r.percentile(99.0))),
+            "",
+            m(&|r| r.percentile_less_client_waits_us(99.0)),
         );
     }
 }
