@@ -1,16 +1,17 @@
 //! The msgpack form of a token-id list, decoded 64 bytes at a time with AVX-512.
 //!
 //! A `BlockStored` event carries its blocks' token ids as a msgpack array of unsigned ints,
-//! each a positive fixint (1 byte), a u8 (`0xcc` and 1 byte), a u16 (`0xcd` and 2) or a u32
-//! (`0xce` and 4): a 128 k vocabulary mixes u16 and u32 in no order. Decoding one id at a time is a
-//! chain of dependent loads (an id's marker gives its length, which gives the next id's
-//! position), and it was a fifth of the server's time under a stream of events
+//! each a positive fixint (1 byte), a u8 (`0xcc` and 1 byte), a u16 (`0xcd` and 2) or a
+//! u32 (`0xce` and 4): a 128 k vocabulary mixes u16 and u32 in no order. Decoding one id at
+//! a time is a chain of dependent loads (an id's marker gives its length, which gives the
+//! next id's position), and it was a fifth of the server's time under a stream of events
 //! (docs/hot-path.md). Per 64-byte window this finds every id's position without that
 //! chain: each byte's length as a marker is known at once (three compares), so "the next
 //! position" is a table of 64 bytes, and the positions of ids 0, 1, 2, … are that table
 //! applied 0, 1, 2, … times to the first position, which five rounds of doubling build with
-//! byte permutes (for up to 32 ids; a window of more takes 32). One more permute per 16 ids gathers their value bytes in little-endian
-//! order. Only the window's first position depends on the window before.
+//! byte permutes (for up to 32 ids; a window of more takes 32). One more permute per 16 ids
+//! gathers their value bytes in little-endian order. Only the window's first position
+//! depends on the window before.
 //!
 //! Every `unsafe` here is one of the kinds simd.rs lists: calling an intrinsic of a feature
 //! the CPU is known to have (after `is_x86_feature_detected!`), or a load or store through a
@@ -117,8 +118,8 @@ unsafe fn msgpack_uints_avx512(bytes: &[u8], out: &mut [u32]) -> (usize, usize) 
         let rest = &bytes[pos..];
         let limit = rest.len().min(64);
         // A message's bytes arrive written by another core (the ZMQ I/O thread), and each
-        // window's load waits for the one before: fetch a few windows ahead.
-        // A prefetch never faults, whatever the address (at most a few windows past `rest`).
+        // window's load waits for the one before: fetch a few windows ahead (a prefetch
+        // never faults, whatever the address).
         _mm_prefetch::<_MM_HINT_T0>(rest.as_ptr().wrapping_add(PREFETCH_AHEAD).cast());
         let window = if limit == 64 {
             // SAFETY: `rest` holds at least 64 bytes; `loadu` has no alignment requirement.
@@ -148,8 +149,8 @@ unsafe fn msgpack_uints_avx512(bytes: &[u8], out: &mut [u32]) -> (usize, usize) 
         // 33rd id. The next window starts there, so only this chain of permutes lies between
         // two windows' loads, not the count below.
         let mut at = _mm512_set1_epi8(0);
-        for lanes in ROUND_LANES {
-            at = _mm512_mask2_permutex2var_epi8(jump, at, lanes, past_window);
+        for round_lanes in ROUND_LANES {
+            at = _mm512_mask2_permutex2var_epi8(jump, at, round_lanes, past_window);
             jump = _mm512_permutex2var_epi8(jump, jump, past_window);
         }
         let next = (_mm_cvtsi128_si32(_mm512_castsi512_si128(jump)) & 0xff) as usize;
@@ -176,15 +177,15 @@ unsafe fn msgpack_uints_avx512(bytes: &[u8], out: &mut [u32]) -> (usize, usize) 
             let source = _mm512_sub_epi8(last, byte_of_lane);
             let present = _mm512_cmplt_epu8_mask(byte_of_lane, width);
             let values = _mm512_maskz_permutexvar_epi8(present, source, window);
-            let lanes = count - 16 * group;
-            let mask = if lanes >= 16 {
+            let left = count - 16 * group;
+            let mask = if left >= 16 {
                 u16::MAX
             } else {
-                (1u16 << lanes) - 1
+                (1u16 << left) - 1
             };
             let dst = &mut slots[16 * group..];
-            // SAFETY: the mask selects the first `min(lanes, 16)` slots of `dst`, and `dst`
-            // holds `lanes` of them; the masked-off lanes are not written.
+            // SAFETY: the mask selects the first `min(left, 16)` slots of `dst`, and `dst`
+            // holds `left` of them; the masked-off lanes are not written.
             unsafe { _mm512_mask_storeu_epi32(dst.as_mut_ptr().cast(), mask, values) };
         }
         filled += count;
