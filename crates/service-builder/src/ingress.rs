@@ -143,6 +143,29 @@ impl RankListener {
 /// limit.
 const LISTENERS_PER_CONTEXT: usize = 250;
 
+/// Name of libzmq's I/O and reaper threads (at most 15 bytes, Linux's limit).
+const ZMQ_THREAD_NAME: &str = "kv-zmq-io";
+
+/// A ZMQ context whose threads are named [`ZMQ_THREAD_NAME`].
+///
+/// libzmq starts a context's I/O and reaper threads with its first socket, from the thread
+/// that opens it, and (as the `zmq` crate builds it) does not name them, so they take that
+/// thread's name: a registration's `tokio-rt-worker`. Under a stream of events the I/O
+/// thread is the third-busiest of the server, and per-thread tools (`top -H`, `perf`)
+/// showed its time as the async runtime's. A first socket opened and closed on a thread of
+/// that name starts them under it; should it fail, the listener's own socket reports why.
+fn named_context() -> zmq::Context {
+    let ctx = zmq::Context::new();
+    let opener = ctx.clone();
+    let started = std::thread::Builder::new()
+        .name(ZMQ_THREAD_NAME.to_owned())
+        .spawn(move || opener.socket(zmq::SUB).map(drop));
+    if let Ok(handle) = started {
+        let _ = handle.join();
+    }
+    ctx
+}
+
 /// ZMQ contexts shared by listeners, each holding at most `cap` of them.
 #[derive(Debug)]
 struct ContextPool {
@@ -193,7 +216,7 @@ impl ContextPool {
             Some(s) => Arc::clone(s),
             None => {
                 let s = Arc::new(ContextSlot {
-                    ctx: zmq::Context::new(),
+                    ctx: named_context(),
                     listeners: AtomicUsize::new(0),
                 });
                 slots.push(Arc::clone(&s));
@@ -620,6 +643,29 @@ mod tests {
         assert_eq!(lens, [1, 2, 3, 3, 3, 3, 3]);
         let sizes: Vec<usize> = started.iter().take(3).map(|(g, _)| g.len()).collect();
         assert_eq!(sizes, [3, 2, 2]);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_contexts_threads_carry_its_name() {
+        let names = || -> Vec<String> {
+            std::fs::read_dir("/proc/self/task")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+                .map(|c| c.trim_end().to_owned())
+                .collect()
+        };
+        let ctx = super::named_context();
+        // The I/O and reaper threads run from the first socket on, under the name, until
+        // the context ends (other tests' contexts can only add to the count).
+        let named = names()
+            .iter()
+            .filter(|n| *n == super::ZMQ_THREAD_NAME)
+            .count();
+        assert!(named >= 2, "{named} named: {:?}", names());
+        drop(ctx);
     }
 
     #[test]
