@@ -4,6 +4,7 @@
 use kv_types::{BlockMmInfo, ExternalHash, MmObject};
 
 use crate::reader::{Kind, Reader, WireError};
+use crate::spares::Spares;
 
 /// Why a live multipart message was rejected before its payload was looked at (§3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -241,6 +242,15 @@ const SALT_PREFIX: &str = "dynamo-cache-salt:";
 /// the contract rejects it and the listener's watermark does not move. Bytes after the batch
 /// value are ignored.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch<'_>, DecodeError> {
+    decode_batch_reusing(payload, &mut Spares::default())
+}
+
+/// [`decode_batch`], taking the events' vectors from `spares` (a listener group gives them
+/// back once the batch is normalized, so a steady stream allocates nothing per event).
+pub fn decode_batch_reusing<'a>(
+    payload: &'a [u8],
+    spares: &mut Spares,
+) -> Result<EventBatch<'a>, DecodeError> {
     let mut r = Reader::new(payload);
     match r.kind().at("batch", "array")? {
         Kind::Array => {
@@ -249,7 +259,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch<'_>, DecodeError> {
                 return Err(DecodeError::BatchArity { len });
             }
             let ts = r.read_number().at("ts", "number")?;
-            let events = decode_events(&mut r)?;
+            let events = decode_events(&mut r, spares)?;
             let dp_rank = decode_dp_rank(&mut r)?;
             Ok(EventBatch {
                 ts,
@@ -285,21 +295,24 @@ fn decode_dp_rank(r: &mut Reader<'_>) -> Result<Option<u32>, DecodeError> {
     Ok(Some(v as u32))
 }
 
-fn decode_events<'a>(r: &mut Reader<'a>) -> Result<Vec<RawEvent<'a>>, DecodeError> {
+fn decode_events<'a>(
+    r: &mut Reader<'a>,
+    spares: &mut Spares,
+) -> Result<Vec<RawEvent<'a>>, DecodeError> {
     let n = r.read_array_len().at("events", "array")?;
     // The count is bounded by the bytes left, but an event decodes into far more memory
     // than its smallest encoding, so growth is left to actual successful decodes.
     let mut events = Vec::with_capacity(n.min(256));
     for _ in 0..n {
-        events.push(decode_event(r)?);
+        events.push(decode_event(r, spares)?);
     }
     Ok(events)
 }
 
-fn decode_event<'a>(r: &mut Reader<'a>) -> Result<RawEvent<'a>, DecodeError> {
+fn decode_event<'a>(r: &mut Reader<'a>, spares: &mut Spares) -> Result<RawEvent<'a>, DecodeError> {
     match r.kind().at("event", "array or map")? {
-        Kind::Array => decode_positional(r),
-        Kind::Map => decode_map(r),
+        Kind::Array => decode_positional(r, spares),
+        Kind::Map => decode_map(r, spares),
         _ => Err(DecodeError::WrongType {
             field: "event",
             expected: "array or map",
@@ -361,14 +374,17 @@ impl<'a> Positional<'_, 'a> {
     }
 }
 
-fn decode_positional<'a>(r: &mut Reader<'a>) -> Result<RawEvent<'a>, DecodeError> {
+fn decode_positional<'a>(
+    r: &mut Reader<'a>,
+    spares: &mut Spares,
+) -> Result<RawEvent<'a>, DecodeError> {
     let len = r.read_array_len().at("event", "array")?;
     let mut p = Positional { r, left: len };
     let tag = p.required("type")?.read_str().at("type", "string")?;
     let event = match tag {
-        "BlockStored" => RawEvent::Stored(positional_stored(&mut p)?),
+        "BlockStored" => RawEvent::Stored(positional_stored(&mut p, spares)?),
         "BlockRemoved" => {
-            let block_hashes = read_hashes(p.required("block_hashes")?, "block_hashes")?;
+            let block_hashes = read_hashes(p.required("block_hashes")?, "block_hashes", spares)?;
             let medium = match p.optional("medium")? {
                 Some(r) => non_empty(r.read_str().at("medium", "string")?),
                 None => None,
@@ -394,8 +410,11 @@ fn decode_positional<'a>(r: &mut Reader<'a>) -> Result<RawEvent<'a>, DecodeError
     Ok(event)
 }
 
-fn positional_stored<'a>(p: &mut Positional<'_, 'a>) -> Result<BlockStored<'a>, DecodeError> {
-    let block_hashes = read_hashes(p.required("block_hashes")?, "block_hashes")?;
+fn positional_stored<'a>(
+    p: &mut Positional<'_, 'a>,
+    spares: &mut Spares,
+) -> Result<BlockStored<'a>, DecodeError> {
+    let block_hashes = read_hashes(p.required("block_hashes")?, "block_hashes", spares)?;
     let parent_block_hash = {
         let r = p.required("parent_block_hash")?;
         if r.try_nil().at("parent_block_hash", "hash or nil")? {
@@ -404,7 +423,7 @@ fn positional_stored<'a>(p: &mut Positional<'_, 'a>) -> Result<BlockStored<'a>, 
             Some(read_hash(r, "parent_block_hash")?)
         }
     };
-    let (token_ids, is_eagle) = read_token_ids(p.required("token_ids")?)?;
+    let (token_ids, is_eagle) = read_token_ids(p.required("token_ids")?, spares)?;
     let block_size = read_uint(p.required("block_size")?, "block_size")?;
     // Legacy lora_id: read and discarded, whatever it is.
     if let Some(r) = p.next() {
@@ -604,7 +623,7 @@ struct MapFields<'a> {
     session_id: Option<Reader<'a>>,
 }
 
-fn decode_map<'a>(r: &mut Reader<'a>) -> Result<RawEvent<'a>, DecodeError> {
+fn decode_map<'a>(r: &mut Reader<'a>, spares: &mut Spares) -> Result<RawEvent<'a>, DecodeError> {
     let pairs = r.read_map_len().at("event", "map")?;
     let mut f = MapFields::default();
     for _ in 0..pairs {
@@ -636,10 +655,10 @@ fn decode_map<'a>(r: &mut Reader<'a>) -> Result<RawEvent<'a>, DecodeError> {
         return Err(DecodeError::MissingField { field: "type" });
     };
     match tag.read_str().at("type", "string")? {
-        "BlockStored" => map_stored(f).map(RawEvent::Stored),
+        "BlockStored" => map_stored(f, spares).map(RawEvent::Stored),
         "BlockRemoved" => Ok(RawEvent::Removed(BlockRemoved {
             block_hashes: match f.block_hashes {
-                Some(mut r) => read_hashes(&mut r, "block_hashes")?,
+                Some(mut r) => read_hashes(&mut r, "block_hashes", spares)?,
                 None => {
                     return Err(DecodeError::MissingField {
                         field: "block_hashes",
@@ -657,7 +676,7 @@ fn decode_map<'a>(r: &mut Reader<'a>) -> Result<RawEvent<'a>, DecodeError> {
     }
 }
 
-fn map_stored(f: MapFields<'_>) -> Result<BlockStored<'_>, DecodeError> {
+fn map_stored<'a>(f: MapFields<'a>, spares: &mut Spares) -> Result<BlockStored<'a>, DecodeError> {
     let mut block_hashes = f.block_hashes.ok_or(DecodeError::MissingField {
         field: "block_hashes",
     })?;
@@ -667,13 +686,13 @@ fn map_stored(f: MapFields<'_>) -> Result<BlockStored<'_>, DecodeError> {
     let mut block_size = f.block_size.ok_or(DecodeError::MissingField {
         field: "block_size",
     })?;
-    let (tokens, is_eagle) = read_token_ids(&mut token_ids)?;
+    let (tokens, is_eagle) = read_token_ids(&mut token_ids, spares)?;
     let block_mm_infos = match present(f.block_mm_infos, "block_mm_infos")? {
         Some(mut r) => Some(read_mm_infos(&mut r).at("block_mm_infos", "array of mm infos")?),
         None => None,
     };
     let mut ev = BlockStored {
-        block_hashes: read_hashes(&mut block_hashes, "block_hashes")?,
+        block_hashes: read_hashes(&mut block_hashes, "block_hashes", spares)?,
         parent_block_hash: match present(f.parent_block_hash, "parent_block_hash")? {
             Some(mut r) => Some(read_hash(&mut r, "parent_block_hash")?),
             None => None,
@@ -773,9 +792,14 @@ fn read_hash(r: &mut Reader<'_>, field: &'static str) -> Result<ExternalHash, De
     }
 }
 
-fn read_hashes(r: &mut Reader<'_>, field: &'static str) -> Result<Vec<ExternalHash>, DecodeError> {
+fn read_hashes(
+    r: &mut Reader<'_>,
+    field: &'static str,
+    spares: &mut Spares,
+) -> Result<Vec<ExternalHash>, DecodeError> {
     let n = r.read_array_len().at(field, "array")?;
-    let mut out = Vec::with_capacity(n);
+    let mut out = spares.hashes();
+    out.reserve(n);
     for _ in 0..n {
         out.push(read_hash(r, field)?);
     }
@@ -783,14 +807,18 @@ fn read_hashes(r: &mut Reader<'_>, field: &'static str) -> Result<Vec<ExternalHa
 }
 
 /// Flat `u32` tokens, or Eagle `[u32, u32]` pairs flattened to `n + 1` tokens (§5.1).
-fn read_token_ids(r: &mut Reader<'_>) -> Result<(Vec<u32>, bool), DecodeError> {
+fn read_token_ids(
+    r: &mut Reader<'_>,
+    spares: &mut Spares,
+) -> Result<(Vec<u32>, bool), DecodeError> {
     const FIELD: &str = "token_ids";
     let n = r.read_array_len().at(FIELD, "array")?;
     if n == 0 {
         return Ok((Vec::new(), false));
     }
     let pairs = r.kind().at(FIELD, "array")? == Kind::Array;
-    let mut out = Vec::with_capacity(n + usize::from(pairs));
+    let mut out = spares.ids();
+    out.reserve(n + usize::from(pairs));
     if pairs {
         let mut last = 0;
         for _ in 0..n {

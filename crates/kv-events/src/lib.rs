@@ -20,7 +20,8 @@
 //!
 //! # Non-goals
 //! The crate knows nothing of the index: whether a parent exists or a removed hash is known
-//! is the sink's business. It reads no environment and keeps no global state.
+//! is the sink's business. It reads no environment and keeps no global state (a listener
+//! group's [`Spares`], the vectors its batches reuse, are the group's own).
 //!
 //! # Invariants
 //! - No input bytes can panic the decoder, make it recurse without bound or allocate more
@@ -86,15 +87,19 @@ mod endpoint;
 mod listener;
 mod normalize;
 mod reader;
+mod spares;
 mod stats;
 mod watermark;
 
-pub use decode::{DecodeError, EventBatch, FrameError, LiveMessage, RawEvent, decode_batch};
+pub use decode::{
+    DecodeError, EventBatch, FrameError, LiveMessage, RawEvent, decode_batch, decode_batch_reusing,
+};
 pub use endpoint::{EndpointError, validate_endpoint};
 pub use listener::{
     DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_REPLAY_TIMEOUT, KvEventListener, KvEventSink, ListenerConfig,
     ListenerError, ListenerGroup, ListenerState,
 };
 pub use normalize::{FilterReason, Normalizer, TruncateReason};
+pub use spares::Spares;
 pub use stats::{DropReason, ListenerStats, ReasonTotals, UNREACHABLE_AFTER_RETRIES};
 pub use watermark::{SeqObservation, Watermark};

@@ -11,7 +11,8 @@ use kv_types::{
 use rustc_hash::FxHashMap;
 
 use crate::decode::{BlockStored, CacheSpecKind, DecodeError, EventBatch, GroupMeta, Locality};
-use crate::decode::{RawEvent, decode_batch};
+use crate::decode::{RawEvent, decode_batch_reusing};
+use crate::spares::Spares;
 
 /// Why an event was skipped while the rest of its batch was applied (§6.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -177,8 +178,22 @@ impl Normalizer {
         out: &mut Vec<KvOperation>,
         on_filtered: impl FnMut(FilterReason),
     ) -> Result<(), DecodeError> {
-        let batch = decode_batch(payload)?;
-        self.normalize_batch(&batch, seq, out, on_filtered);
+        self.process_payload_reusing(payload, seq, out, &mut Spares::default(), on_filtered)
+    }
+
+    /// [`Self::process_payload`], taking the vectors of the decoded events and of the
+    /// operations from `spares` and giving the events' back (see [`Spares`]).
+    pub fn process_payload_reusing(
+        &mut self,
+        payload: &[u8],
+        seq: u64,
+        out: &mut Vec<KvOperation>,
+        spares: &mut Spares,
+        on_filtered: impl FnMut(FilterReason),
+    ) -> Result<(), DecodeError> {
+        let batch = decode_batch_reusing(payload, spares)?;
+        self.normalize_with(&batch, seq, out, spares, on_filtered);
+        spares.reclaim(batch);
         Ok(())
     }
 
@@ -189,6 +204,17 @@ impl Normalizer {
         batch: &EventBatch<'_>,
         seq: u64,
         out: &mut Vec<KvOperation>,
+        on_filtered: impl FnMut(FilterReason),
+    ) {
+        self.normalize_with(batch, seq, out, &mut Spares::default(), on_filtered);
+    }
+
+    fn normalize_with(
+        &mut self,
+        batch: &EventBatch<'_>,
+        seq: u64,
+        out: &mut Vec<KvOperation>,
+        spares: &mut Spares,
         mut on_filtered: impl FnMut(FilterReason),
     ) {
         let rank = batch.dp_rank.map_or(self.registered_rank, DpRank);
@@ -197,7 +223,7 @@ impl Normalizer {
             dp_rank: rank,
         };
         for event in &batch.events {
-            match self.event(event, worker, seq) {
+            match self.event(event, worker, seq, spares) {
                 Ok(op) => out.push(op),
                 Err(reason) => on_filtered(reason),
             }
@@ -217,6 +243,7 @@ impl Normalizer {
         event: &RawEvent<'_>,
         worker: WorkerKey,
         seq: u64,
+        spares: &mut Spares,
     ) -> Result<KvOperation, FilterReason> {
         let rank = worker.dp_rank.0;
         let op = |tier, kind| KvOperation {
@@ -234,7 +261,8 @@ impl Normalizer {
             }
             RawEvent::Removed(ev) => {
                 let tier = check_provenance(&ev.meta, ev.medium)?;
-                let block_hashes = ev.block_hashes.clone();
+                let mut block_hashes = spares.hashes();
+                block_hashes.extend_from_slice(&ev.block_hashes);
                 if lower_tier_without_metadata(tier) {
                     return Ok(op(tier, KvOperationKind::Removed { block_hashes }));
                 }
@@ -250,14 +278,14 @@ impl Normalizer {
                 let tier = check_provenance(&ev.meta, ev.medium)?;
                 if lower_tier_without_metadata(tier) {
                     let salt = ev.cache_salt;
-                    return Ok(op(tier, self.convert_stored(ev, salt)));
+                    return Ok(op(tier, self.convert_stored(ev, salt, spares)));
                 }
                 if let (Some(g), Some(kind)) = (ev.meta.group_idx, ev.meta.kind) {
                     self.groups.insert((rank, g), kind);
                 }
                 self.group_filter(rank, &ev.meta)?;
                 let salt = self.propagate_namespace(rank, ev)?;
-                Ok(op(tier, self.convert_stored(ev, salt.as_deref())))
+                Ok(op(tier, self.convert_stored(ev, salt.as_deref(), spares)))
             }
         }
     }
@@ -340,7 +368,12 @@ impl Normalizer {
     }
 
     /// §7.1: self-reference check, block-size check, re-hashing of every complete block.
-    fn convert_stored(&mut self, ev: &BlockStored<'_>, salt: Option<&str>) -> KvOperationKind {
+    fn convert_stored(
+        &mut self,
+        ev: &BlockStored<'_>,
+        salt: Option<&str>,
+        spares: &mut Spares,
+    ) -> KvOperationKind {
         if self.has_self_reference(ev) {
             self.truncated[TruncateReason::SelfReference.index()] += ev.block_hashes.len() as u64;
             if self.self_ref_log.allow() {
@@ -377,7 +410,8 @@ impl Normalizer {
                 (ev.block_hashes.len() - complete) as u64;
             complete
         };
-        let mut blocks = Vec::with_capacity(count);
+        let mut blocks = spares.blocks();
+        blocks.reserve(count);
         if count > 0 {
             let needed = count * b as usize + usize::from(ev.is_eagle);
             let mm = ev.block_mm_infos.as_deref().unwrap_or(&[]);
@@ -490,11 +524,48 @@ mod tests {
         }
     }
 
-    /// Runs one hex example and compares with the expected operations and filter reasons.
+    /// Runs one hex example and compares with the expected operations and filter reasons;
+    /// then twice more through one [`Spares`], the second time with the vectors the first
+    /// gave back, as a listener group does.
     fn check(hex_payload: &str, expected: &[KvOperation], expected_filtered: &[FilterReason]) {
         let (ops, filtered) = run(&mut normalizer(), &hex(hex_payload));
         assert_eq!(ops, expected);
         assert_eq!(filtered, expected_filtered);
+        let mut spares = Spares::default();
+        for pass in 0..2 {
+            let (mut ops, mut filtered) = (Vec::new(), Vec::new());
+            normalizer()
+                .process_payload_reusing(&hex(hex_payload), 42, &mut ops, &mut spares, |r| {
+                    filtered.push(r)
+                })
+                .expect("decodes");
+            assert_eq!(ops, expected, "reusing, pass {pass}");
+            assert_eq!(filtered, expected_filtered, "reusing, pass {pass}");
+            spares.recycle(&mut ops);
+        }
+    }
+
+    #[test]
+    fn a_batch_gives_its_vectors_back() {
+        let payload = hex(
+            "93 cb 3f f8 00 00 00 00 00 00 91 97 ab 42 6c 6f 63 6b 53 74 6f 72 65 64
+             92 65 66 c0 98 01 02 03 04 05 06 07 08 04 c0 a3 47 50 55 00",
+        );
+        let mut spares = Spares::default();
+        let mut ops = Vec::new();
+        normalizer()
+            .process_payload_reusing(&payload, 1, &mut ops, &mut spares, |_| {})
+            .expect("decodes");
+        // The event's token ids and engine hashes; its blocks are in the operation.
+        assert_eq!(spares.kept(), (1, 1, 0));
+        spares.recycle(&mut ops);
+        assert_eq!(spares.kept(), (1, 1, 1));
+        normalizer()
+            .process_payload_reusing(&payload, 2, &mut ops, &mut spares, |_| {})
+            .expect("decodes");
+        // Each vector came from the spares and went back.
+        assert_eq!(spares.kept(), (1, 1, 0));
+        assert_eq!(ops.len(), 1);
     }
 
     const H1_A: u64 = 14643705804678351452;

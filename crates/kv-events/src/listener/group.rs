@@ -2,6 +2,7 @@
 //! listeners, which adopts new listeners, ends stopped ones, times replays out and lets
 //! each listener whose socket may be readable read it.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -10,6 +11,7 @@ use parking_lot::Mutex;
 use super::config::ListenerState;
 use super::socket::{TOKENS_PER_SLOT, WAKE, monitor_token, register, sub_token};
 use super::worker::Worker;
+use crate::spares::Spares;
 
 /// Longest wait of an idle group, after which it re-checks every socket (see the
 /// `listener` module docs). Stop and open requests wake it at once, so this only bounds the
@@ -25,6 +27,9 @@ pub(super) struct GroupShared {
     pub(super) closed: AtomicBool,
     /// Listeners started on the group that have not ended.
     pub(super) listeners: AtomicUsize,
+    /// The vectors its listeners' batches reuse (they all run on the group's thread, so
+    /// the lock is never contended).
+    pub(super) spares: Arc<Mutex<Spares>>,
 }
 
 /// The listeners a group's thread runs, by slot (a slot's tokens stay its own until it is
@@ -41,6 +46,7 @@ impl Members<'_> {
     fn adopt(&mut self, mut worker: Worker) {
         let slot = self.free.pop().unwrap_or(self.slots.len());
         worker.slot = slot;
+        worker.spares = Arc::clone(&self.group.spares);
         if let Err(e) = register(self.registry, worker.sub.get_fd(), sub_token(slot)) {
             self.group.listeners.fetch_sub(1, Ordering::AcqRel);
             worker.finish(self.registry, ListenerState::Failed { error: e });

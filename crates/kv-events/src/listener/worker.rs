@@ -16,6 +16,7 @@ use super::socket::{
 };
 use crate::decode::{FrameError, parse_live_frames, parse_seq};
 use crate::normalize::{LogLimiter, Normalizer};
+use crate::spares::Spares;
 use crate::stats::{DropReason, ListenerStats};
 use crate::watermark::{SeqObservation, Watermark};
 
@@ -111,6 +112,9 @@ pub(super) struct Worker {
     ops: Vec<KvOperation>,
     /// Where each held batch's operations end in `ops`, and its seq.
     pending: Vec<(usize, u64)>,
+    /// The vectors of events and operations kept for the next batch: the group's, once it
+    /// adopts this listener.
+    pub(super) spares: Arc<Mutex<Spares>>,
     /// One limiter per drop reason: a shared one hid a new reason behind the count of an
     /// old one (only occurrences 1-3 and powers of two are logged).
     drop_log: [LogLimiter; DropReason::ALL.len()],
@@ -164,6 +168,7 @@ impl Worker {
             shared: Arc::clone(shared),
             ops: Vec::new(),
             pending: Vec::new(),
+            spares: Arc::default(),
             drop_log: Default::default(),
             stale_log: LogLimiter::default(),
             loss_log: LogLimiter::default(),
@@ -363,9 +368,13 @@ impl Worker {
     /// The published watermark moves once the sink has the batch.
     fn apply(&mut self, seq: u64, payload: &[u8]) -> bool {
         let stats = Arc::clone(&self.shared.stats);
-        let res = self
-            .normalizer
-            .process_payload(payload, seq, &mut self.ops, |r| stats.count_filter(r));
+        let res = self.normalizer.process_payload_reusing(
+            payload,
+            seq,
+            &mut self.ops,
+            &mut self.spares.lock(),
+            |r| stats.count_filter(r),
+        );
         let truncated = self.normalizer.take_truncated();
         if let Err(e) = res {
             self.drop_message(DropReason::from(&e), &e);
@@ -405,7 +414,7 @@ impl Worker {
         ListenerStats::add(&stats.operations_applied, ops.len() as u64);
         ListenerStats::add(&stats.blocks_stored, blocks as u64);
         self.shared.watermark.store(last, Ordering::Release);
-        ops.clear();
+        self.spares.lock().recycle(&mut ops);
         pending.clear();
         self.ops = ops;
         self.pending = pending;
