@@ -24,9 +24,10 @@
 //! (at most 1,792 entries moved), then deals once into shards (3,584 entries). At 2,048
 //! workers every worker's block table stays that small; with the directory from the
 //! first insert, their cold directories and shard lists cost 10–20 % of the ingest
-//! rate. Every move hashes its entries first, in a loop of their own, so that a hasher
-//! that loads memory has its cache misses overlap (no table of the index has one now:
-//! the block tables keep the hash bits their hasher needs beside each node id).
+//! rate. A move hashes each entry as it takes it out of the old table: the hashers of the
+//! index's tables read nothing but the entry (the block tables keep the hash bits their
+//! hasher needs beside each node id), so there are no cache misses to overlap and no
+//! buffer of hashed entries to allocate.
 //!
 //! The directory bits come from the hash multiplied by an odd constant and shifted right
 //! by 32, which uses neither the low bits (a shard's bucket index) nor the top seven bits
@@ -204,11 +205,11 @@ impl<T> ShardedTable<T> {
             self.small.reserve(1, hasher);
             return;
         }
-        let moved = hashed(std::mem::take(&mut self.small), hasher);
+        let moved = std::mem::take(&mut self.small);
         if buckets < SMALL_BUCKETS {
             self.small = HashTable::with_capacity(buckets * 2 / 8 * 7);
-            for (hash, value) in moved {
-                self.small.insert_unique(hash, value, hasher);
+            for value in moved {
+                self.small.insert_unique(hasher(&value), value, hasher);
             }
             return;
         }
@@ -224,7 +225,8 @@ impl<T> ShardedTable<T> {
             })
             .collect();
         let mask = (1usize << depth) - 1;
-        for (hash, value) in moved {
+        for value in moved {
+            let hash = hasher(&value);
             self.shards[spread(hash) & mask]
                 .table
                 .insert_unique(hash, value, hasher);
@@ -249,10 +251,11 @@ impl<T> ShardedTable<T> {
             self.dir.extend_from_within(..);
         }
         let bit = 1usize << depth;
-        let moved = hashed(std::mem::take(&mut self.shards[s].table), hasher);
+        let moved = std::mem::take(&mut self.shards[s].table);
         let mut low = HashTable::with_capacity(SHARD_CAPACITY);
         let mut high = HashTable::with_capacity(SHARD_CAPACITY);
-        for (hash, value) in moved {
+        for value in moved {
+            let hash = hasher(&value);
             let half = if spread(hash) & bit == 0 {
                 &mut low
             } else {
@@ -318,18 +321,6 @@ impl<T> ShardedTable<T> {
     pub(crate) fn shard_buckets(&self) -> impl Iterator<Item = usize> + '_ {
         self.shards.iter().map(|s| s.table.num_buckets())
     }
-}
-
-/// The entries of `table` with their hashes, computed in a loop of independent loads: a
-/// hasher that reads memory elsewhere (as the block tables' did, an entry's node) then
-/// has its misses overlap instead of waiting behind each insert (a split of 448 entries:
-/// 50-70 µs hashed one by one, mostly under 20 µs this way).
-fn hashed<T>(table: HashTable<T>, hasher: &impl Fn(&T) -> u64) -> Vec<(u64, T)> {
-    let mut moved: Vec<(u64, T)> = table.into_iter().map(|v| (0, v)).collect();
-    for (hash, value) in &mut moved {
-        *hash = hasher(value);
-    }
-    moved
 }
 
 impl<T> IntoIterator for ShardedTable<T> {

@@ -1,0 +1,106 @@
+//! `index_ingest`: the stream of `cargo xtask bench ingest` (default workload) applied to
+//! one index on one thread, without decoding, sockets or locks: the index's share of the
+//! ingestion, in blocks per second.
+//!
+//! 16 workers; each stores 4 shared prefix chains of 8 blocks, then 977 batches of 32
+//! events of 8 fresh blocks, a third of the events below a prefix, the others from the
+//! root; the batches of the workers interleave as the listeners apply them. The shape
+//! (hash layout, parents) mirrors `xtask/src/ingest_workload.rs`; the local hashes are
+//! a mix of the engine hashes instead of the hashes of token ids. Every iteration fills a
+//! fresh index (about 4 M nodes) and drops it outside the timing, so the figure includes
+//! the page faults of a growing index, as the server pays them once.
+
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use kv_index::KvIndex;
+use kv_types::{
+    BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier, StoredBlock, WorkerKey,
+};
+
+const WORKERS: u64 = 16;
+const BATCHES: u64 = 977;
+const EVENTS: u64 = 32;
+const BLOCKS: u64 = 8;
+const PREFIXES: u64 = 4;
+const PREFIX_BLOCKS: u64 = 8;
+
+/// splitmix64's finalizer: a local hash for an engine hash.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn prefix_hash(p: u64, b: u64) -> u64 {
+    (1 << 62) | (p << 8) | b
+}
+
+fn store(w: u64, parent: Option<u64>, hashes: impl Iterator<Item = u64>) -> KvOperation {
+    KvOperation {
+        worker: WorkerKey::new(w, 0),
+        tier: StorageTier::Device,
+        event_id: 0,
+        kind: KvOperationKind::Stored {
+            parent_hash: parent.map(ExternalHash),
+            blocks: hashes
+                .map(|h| StoredBlock::new(ExternalHash(h), BlockHash(mix(h))))
+                .collect(),
+        },
+    }
+}
+
+/// The stream, batch by batch in the order the listeners apply it.
+fn stream() -> Vec<Vec<KvOperation>> {
+    let mut batches = Vec::new();
+    for w in 0..WORKERS {
+        batches.push(
+            (0..PREFIXES)
+                .map(|p| store(w, None, (0..PREFIX_BLOCKS).map(|b| prefix_hash(p, b))))
+                .collect(),
+        );
+    }
+    for j in 0..BATCHES {
+        for w in 0..WORKERS {
+            let batch = (0..EVENTS)
+                .map(|e| {
+                    let g = j * EVENTS + e;
+                    // Every third event hangs below a prefix, as `--shared 1/3` spreads them.
+                    let parent =
+                        ((g + 1) / 3 > g / 3).then(|| prefix_hash(g % PREFIXES, PREFIX_BLOCKS - 1));
+                    store(
+                        w,
+                        parent,
+                        (0..BLOCKS).map(|b| ((w + 1) << 40) | (g * BLOCKS + b)),
+                    )
+                })
+                .collect();
+            batches.push(batch);
+        }
+    }
+    batches
+}
+
+fn index_ingest(c: &mut Criterion) {
+    let batches = stream();
+    let mut group = c.benchmark_group("index_ingest");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(WORKERS * BATCHES * EVENTS * BLOCKS));
+    group.bench_function("bench_ingest_stream_16_workers", |b| {
+        b.iter_batched(
+            || KvIndex::with_block_size(16),
+            |mut index| {
+                for batch in &batches {
+                    for op in batch {
+                        index.apply(op);
+                    }
+                }
+                index
+            },
+            BatchSize::PerIteration,
+        );
+    });
+    group.finish();
+}
+
+criterion_group!(benches, index_ingest);
+criterion_main!(benches);
