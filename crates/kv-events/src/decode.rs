@@ -118,6 +118,22 @@ pub struct EventBatch<'a> {
     pub dp_rank: Option<u32>,
 }
 
+impl EventBatch<'_> {
+    /// Gives the events' vectors to `spares` for the next batch's decoding.
+    pub(crate) fn give_back(self, spares: &mut Spares) {
+        for event in self.events {
+            match event {
+                RawEvent::Stored(stored) => {
+                    spares.keep_ids(stored.token_ids);
+                    spares.keep_hashes(stored.block_hashes);
+                }
+                RawEvent::Removed(removed) => spares.keep_hashes(removed.block_hashes),
+                RawEvent::Cleared(_) | RawEvent::Ignored => {}
+            }
+        }
+    }
+}
+
 /// One engine event as decoded, before filtering.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]

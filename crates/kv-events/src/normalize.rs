@@ -193,7 +193,7 @@ impl Normalizer {
     ) -> Result<(), DecodeError> {
         let batch = decode_batch_reusing(payload, spares)?;
         self.normalize_with(&batch, seq, out, spares, on_filtered);
-        spares.reclaim(batch);
+        batch.give_back(spares);
         Ok(())
     }
 

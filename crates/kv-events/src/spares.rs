@@ -8,8 +8,6 @@
 
 use kv_types::{ExternalHash, KvOperation, KvOperationKind, StoredBlock};
 
-use crate::decode::{EventBatch, RawEvent};
-
 /// Vectors kept per kind at most: more than a burst's operations (a listener hands its
 /// batches to the sink once 256 operations wait).
 const KEPT: usize = 512;
@@ -40,18 +38,12 @@ impl Spares {
         self.blocks.pop().unwrap_or_default()
     }
 
-    /// Takes back the vectors of a batch's events once they are normalized.
-    pub(crate) fn reclaim(&mut self, batch: EventBatch<'_>) {
-        for event in batch.events {
-            match event {
-                RawEvent::Stored(stored) => {
-                    keep(&mut self.ids, stored.token_ids);
-                    keep(&mut self.hashes, stored.block_hashes);
-                }
-                RawEvent::Removed(removed) => keep(&mut self.hashes, removed.block_hashes),
-                RawEvent::Cleared(_) | RawEvent::Ignored => {}
-            }
-        }
+    pub(crate) fn keep_ids(&mut self, ids: Vec<u32>) {
+        keep(&mut self.ids, ids);
+    }
+
+    pub(crate) fn keep_hashes(&mut self, hashes: Vec<ExternalHash>) {
+        keep(&mut self.hashes, hashes);
     }
 
     /// Empties `ops` (once the sink has applied them), keeping their vectors.
