@@ -65,6 +65,9 @@ struct Args {
     /// Use this server binary instead of building target/release/select-server.
     #[arg(long, value_name = "PATH")]
     binary: Option<PathBuf>,
+    /// A flag for the server, as one argument (repeatable): `--server-arg=--kv-listener-threads=1`.
+    #[arg(long = "server-arg", value_name = "ARG", allow_hyphen_values = true)]
+    server_args: Vec<String>,
     /// Record a `perf record -g` profile of the server during the last round's stream.
     #[arg(long, value_name = "PATH")]
     perf: Option<PathBuf>,
@@ -122,6 +125,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         let run = run_once(
             &workload,
             &binary,
+            &args.server_args,
             args.select_interval_us,
             perf,
             args.perf_seconds,
@@ -150,7 +154,7 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         binary.display()
     );
     let started = Instant::now();
-    let run = run_once(&workload, &binary, 5_000, None, 0)?;
+    let run = run_once(&workload, &binary, &[], 5_000, None, 0)?;
     eprintln!(
         "xtask: bench ingest smoke test passed in {:.1?} ({})",
         started.elapsed(),
@@ -309,13 +313,15 @@ fn us(d: Duration) -> f64 {
 fn run_once(
     w: &Workload,
     binary: &Path,
+    server_args: &[String],
     select_interval_us: u64,
     perf: Option<&Path>,
     perf_seconds: u64,
 ) -> Result<Run> {
     let mut publisher = Publisher::start(w)?;
     // Each listener holds a few descriptors; the server raises its own soft limit.
-    let server = ServerProcess::start_with(binary, &[], &[])?;
+    let server_args: Vec<&str> = server_args.iter().map(String::as_str).collect();
+    let server = ServerProcess::start_with(binary, &server_args, &[])?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -879,6 +885,8 @@ mod tests {
         let p = Args::try_parse_from(["x", "--workers", "2048", "--batches", "8", "--rounds", "3"])
             .unwrap();
         assert_eq!((p.workers, p.batches, p.rounds), (2048, 8, 3));
+        let q = Args::try_parse_from(["x", "--server-arg=--kv-listener-threads=1"]).unwrap();
+        assert_eq!(q.server_args, ["--kv-listener-threads=1"]);
         assert!(Args::try_parse_from(["x", "--workers", "x"]).is_err());
     }
 

@@ -200,6 +200,13 @@ struct Cli {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024), value_name = "N")]
     http_threads: Option<u64>,
 
+    /// Threads that receive, decode and index KV events, each serving up to 1,024 (worker,
+    /// rank) listeners (default: one per available core). Where engines' events and
+    /// `/select` share few cores, one fewer than the cores leaves the HTTP threads a core
+    /// during event bursts: a shorter `/select` tail for a lower peak ingest rate.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024), value_name = "N")]
+    kv_listener_threads: Option<u64>,
+
     /// Seconds a KV listener waits for an engine's gap replay before abandoning it (the
     /// missing batches are then counted lost) and going on with live events (fractional
     /// accepted).
@@ -298,6 +305,8 @@ pub struct ServerConfig {
     pub http_threads: Option<std::num::NonZeroUsize>,
     /// `--kv-replay-timeout-secs`.
     pub kv_replay_timeout: Duration,
+    /// `--kv-listener-threads` (`None`: one per available core).
+    pub kv_listener_threads: Option<std::num::NonZeroUsize>,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
@@ -346,6 +355,7 @@ impl Default for ServerConfig {
             http_header_timeout: Duration::from_secs(30),
             http_threads: None,
             kv_replay_timeout: Duration::from_secs(5),
+            kv_listener_threads: None,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             policy_classes: None,
@@ -568,6 +578,10 @@ impl ServerConfig {
                 .and_then(|n| usize::try_from(n).ok())
                 .and_then(std::num::NonZeroUsize::new),
             kv_replay_timeout: cli.kv_replay_timeout_secs,
+            kv_listener_threads: cli
+                .kv_listener_threads
+                .and_then(|n| usize::try_from(n).ok())
+                .and_then(std::num::NonZeroUsize::new),
             router,
             policy_names,
             policy_classes: file.and_then(|f| f.classes),
@@ -949,6 +963,17 @@ mod tests {
         let cfg = parse(&["--http-threads", "3"], &[]).unwrap();
         assert_eq!(cfg.http_threads.map(std::num::NonZeroUsize::get), Some(3));
         assert!(err(&["--http-threads", "0"], &[]).contains("--http-threads"));
+    }
+
+    #[test]
+    fn kv_listener_threads_default_to_the_cores_and_refuse_zero() {
+        assert_eq!(parse(&[], &[]).unwrap().kv_listener_threads, None);
+        let cfg = parse(&["--kv-listener-threads", "1"], &[]).unwrap();
+        assert_eq!(
+            cfg.kv_listener_threads.map(std::num::NonZeroUsize::get),
+            Some(1)
+        );
+        assert!(err(&["--kv-listener-threads", "0"], &[]).contains("--kv-listener-threads"));
     }
 
     #[test]

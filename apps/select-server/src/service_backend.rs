@@ -454,6 +454,7 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
         policy_classes: cfg.policy_classes.clone(),
         overlap_refresh_after: cfg.overlap_refresh_after,
         replay_timeout: cfg.kv_replay_timeout,
+        kv_listener_threads: cfg.kv_listener_threads,
         ..service_builder::CoreConfig::default()
     };
     let mut builder = service_builder::SelectionServiceBuilder::new(core);

@@ -307,13 +307,19 @@ impl std::fmt::Debug for Ingress {
 }
 
 impl Ingress {
-    pub(crate) fn new(sink: Arc<dyn IngressSink>, replay_timeout: Duration) -> Self {
+    /// `listener_threads`: the groups the first listeners get one each (`None`: one per
+    /// available core).
+    pub(crate) fn new(
+        sink: Arc<dyn IngressSink>,
+        replay_timeout: Duration,
+        listener_threads: Option<std::num::NonZeroUsize>,
+    ) -> Self {
+        let min_groups = listener_threads
+            .or_else(|| std::thread::available_parallelism().ok())
+            .map_or(1, usize::from);
         Self {
             contexts: ContextPool::new(LISTENERS_PER_CONTEXT),
-            groups: GroupPool::new(
-                LISTENERS_PER_GROUP,
-                std::thread::available_parallelism().map_or(1, usize::from),
-            ),
+            groups: GroupPool::new(LISTENERS_PER_GROUP, min_groups),
             sink,
             replay_timeout,
             totals: Arc::default(),
@@ -597,6 +603,8 @@ fn stop_together(listeners: Vec<Registered>) {
 
 #[cfg(test)]
 mod tests {
+    use std::num::NonZeroUsize;
+
     use super::{ContextPool, GroupPool, check_endpoint};
     use kv_events::{KvEventListener, ListenerConfig};
     use kv_types::{KvOperation, WorkerKey};
@@ -666,6 +674,25 @@ mod tests {
             .count();
         assert!(named >= 2, "{named} named: {:?}", names());
         drop(ctx);
+    }
+
+    #[test]
+    fn listener_threads_set_the_groups_the_first_listeners_get() {
+        struct Nowhere;
+        impl super::IngressSink for Nowhere {
+            fn apply(&self, _: &crate::catalog::PartitionKey, _: &[KvOperation]) {}
+        }
+        let timeout = std::time::Duration::from_secs(1);
+        let one = super::Ingress::new(std::sync::Arc::new(Nowhere), timeout, NonZeroUsize::new(1));
+        assert_eq!(one.groups.min_groups, 1);
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let default = super::Ingress::new(std::sync::Arc::new(Nowhere), timeout, None);
+        assert_eq!(default.groups.min_groups, cores);
+        // With one thread, listeners share its group until it is full.
+        let a = one.groups.group().expect("group");
+        let b = one.groups.group().expect("group");
+        assert_eq!(one.groups.groups(), 1);
+        drop((a, b));
     }
 
     #[test]

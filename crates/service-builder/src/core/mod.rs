@@ -55,6 +55,10 @@ pub struct CoreConfig {
     pub max_active_reservations: Option<usize>,
     /// How long a gap replay may wait for the engine.
     pub replay_timeout: Duration,
+    /// Threads that receive, decode and index KV events, each running a group of up to
+    /// 1,024 listeners (`None` = one per available core; more are made past that many
+    /// listeners).
+    pub kv_listener_threads: Option<std::num::NonZeroUsize>,
     /// Seed of the pickers' random source (`None` = from the clock).
     pub rng_seed: Option<u64>,
     /// Enables per-partition session-affinity tables (hard mode) with this idle TTL.
@@ -80,6 +84,7 @@ impl Default for CoreConfig {
             active_request_expiry: Duration::from_secs(300),
             max_active_reservations: None,
             replay_timeout: Duration::from_secs(5),
+            kv_listener_threads: None,
             rng_seed: None,
             session_affinity_ttl: None,
             replica_id: 0,
@@ -144,6 +149,7 @@ impl SelectionCore {
             .map_err(|e| crate::BuildError::RouterConfig(e.to_string()))?;
         let seed = config.rng_seed.unwrap_or_else(clock_seed);
         let replay_timeout = config.replay_timeout;
+        let listener_threads = config.kv_listener_threads;
         Ok(Arc::new_cyclic(|weak: &std::sync::Weak<SelectionCore>| {
             let sink: Arc<dyn IngressSink> = Arc::new(weak.clone());
             Self {
@@ -153,7 +159,7 @@ impl SelectionCore {
                 state: RwLock::default(),
                 catalog_mutation: Mutex::new(()),
                 reservations: Mutex::default(),
-                ingress: Ingress::new(sink, replay_timeout),
+                ingress: Ingress::new(sink, replay_timeout, listener_threads),
                 shut_down: AtomicBool::new(false),
                 metrics: CoreMetrics::default(),
                 rng_seed: AtomicU64::new(seed),
