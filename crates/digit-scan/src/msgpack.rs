@@ -9,9 +9,11 @@
 //! chain: each byte's length as a marker is known at once (three compares), so "the next
 //! position" is a table of 64 bytes, and the positions of ids 0, 1, 2, … are that table
 //! applied 0, 1, 2, … times to the first position, which five rounds of doubling build with
-//! byte permutes (for up to 32 ids; a window of more takes 32). One more permute per 16 ids
-//! gathers their value bytes in little-endian order. Only the window's first position
-//! depends on the window before.
+//! byte permutes (for up to 32 ids; a window of more is walked again from its 33rd). One
+//! more permute per 16 ids gathers their value bytes in little-endian order. Windows lie at
+//! fixed 64-byte steps and each takes the ids that start in it, so all a window hands the
+//! next is where the next one's first id starts (0 to 4 bytes in): the powers of the next
+//! window's table, most of its permutes, do not wait for the walk before.
 //!
 //! Every `unsafe` here is one of the kinds simd.rs lists: calling an intrinsic of a feature
 //! the CPU is known to have (after `is_x86_feature_detected!`), or a load or store through a
@@ -23,7 +25,7 @@ use std::arch::x86_64::{
     __m512i, _MM_HINT_T0, _mm_cvtsi128_si32, _mm_prefetch, _mm512_add_epi8, _mm512_castsi512_si128,
     _mm512_cmpeq_epi8_mask, _mm512_cmpgt_epu8_mask, _mm512_cmplt_epu8_mask, _mm512_loadu_si512,
     _mm512_mask_mov_epi8, _mm512_mask_storeu_epi32, _mm512_mask2_permutex2var_epi8,
-    _mm512_maskz_loadu_epi8, _mm512_maskz_permutexvar_epi8, _mm512_max_epu8, _mm512_movepi8_mask,
+    _mm512_maskz_loadu_epi8, _mm512_maskz_permutex2var_epi8, _mm512_max_epu8, _mm512_movepi8_mask,
     _mm512_permutex2var_epi8, _mm512_permutexvar_epi8, _mm512_set1_epi8, _mm512_sub_epi8,
 };
 
@@ -100,9 +102,27 @@ fn constant(table: &'static [u8; 64]) -> __m512i {
     unsafe { _mm512_loadu_si512(table.as_ptr().cast()) }
 }
 
-/// The decoder, window by window (see the module docs). A window is the next 64 bytes, or
-/// the rest of `bytes` when fewer remain (a masked load, zero past the end, and no id taken
-/// that does not end within it).
+/// The 64 bytes of `bytes` from `at` on, zero past its end (a masked load where fewer
+/// remain).
+#[inline(always)]
+fn window_at(bytes: &[u8], at: usize) -> __m512i {
+    let rest = bytes.get(at..).unwrap_or(&[]);
+    if rest.len() >= 64 {
+        // SAFETY: `rest` holds at least 64 bytes; `loadu` has no alignment requirement;
+        // AVX-512F, which every caller (inlined into `msgpack_uints_avx512`) has.
+        unsafe { _mm512_loadu_si512(rest.as_ptr().cast()) }
+    } else {
+        // SAFETY: the mask selects the first `rest.len()` bytes, all within `rest`; the
+        // masked-off lanes are not read; AVX-512BW, as above.
+        unsafe { _mm512_maskz_loadu_epi8((1u64 << rest.len()) - 1, rest.as_ptr().cast()) }
+    }
+}
+
+/// The decoder, window by window (see the module docs). Windows lie at fixed 64-byte steps
+/// from the start of `bytes`; a window takes the ids that start in it, the value bytes of
+/// its last id reaching at most 4 bytes into the next window. So where a window's walk
+/// starts (its `entry`, 0 to 4) is all that one window hands the next: the powers of the
+/// next window's table, the bulk of its permutes, do not wait for the walk before.
 ///
 /// # Safety
 /// The CPU must have AVX-512F, BW and VBMI, and POPCNT.
@@ -112,23 +132,17 @@ unsafe fn msgpack_uints_avx512(bytes: &[u8], out: &mut [u32]) -> (usize, usize) 
     let past_window = constant(&PAST_WINDOW);
     let byte_of_lane = constant(&BYTE_OF_LANE);
     let one = _mm512_set1_epi8(1);
-    let mut pos = 0usize;
     let mut filled = 0usize;
-    while filled < out.len() && pos < bytes.len() {
-        let rest = &bytes[pos..];
-        let limit = rest.len().min(64);
-        // A message's bytes arrive written by another core (the ZMQ I/O thread), and each
-        // window's load waits for the one before: fetch a few windows ahead (a prefetch
-        // never faults, whatever the address).
-        _mm_prefetch::<_MM_HINT_T0>(rest.as_ptr().wrapping_add(PREFETCH_AHEAD).cast());
-        let window = if limit == 64 {
-            // SAFETY: `rest` holds at least 64 bytes; `loadu` has no alignment requirement.
-            unsafe { _mm512_loadu_si512(rest.as_ptr().cast()) }
-        } else {
-            // SAFETY: the mask selects the first `limit` bytes, all within `rest`; the
-            // masked-off lanes are not read.
-            unsafe { _mm512_maskz_loadu_epi8((1u64 << limit) - 1, rest.as_ptr().cast()) }
-        };
+    let mut base = 0usize;
+    let mut entry = 0usize;
+    let mut window = window_at(bytes, 0);
+    while filled < out.len() && base + entry < bytes.len() {
+        // A message's bytes arrive written by another core (the ZMQ I/O thread): fetch a
+        // few windows ahead (a prefetch never faults, whatever the address).
+        _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().wrapping_add(base + PREFETCH_AHEAD).cast());
+        let following = window_at(bytes, base + 64);
+        // Bytes of the data from the window's start, as far as an id's end can reach.
+        let avail = (bytes.len() - base).min(127);
         // Each byte read as a marker: its id's length, and whether it is none of the four.
         let u8s = _mm512_cmpeq_epi8_mask(window, _mm512_set1_epi8(0xccu8 as i8));
         let u16s = _mm512_cmpeq_epi8_mask(window, _mm512_set1_epi8(0xcdu8 as i8));
@@ -137,68 +151,84 @@ unsafe fn msgpack_uints_avx512(bytes: &[u8], out: &mut [u32]) -> (usize, usize) 
         let mut len = _mm512_mask_mov_epi8(one, u8s, _mm512_set1_epi8(2));
         len = _mm512_mask_mov_epi8(len, u16s, _mm512_set1_epi8(3));
         len = _mm512_mask_mov_epi8(len, u32s, _mm512_set1_epi8(5));
-        // The next id's position after an id at each position. A position where the walk
-        // must stop maps to itself: another marker, or an id that does not end within the
-        // window (the next window starts with it; past the data it is truncated).
+        // The next id's position after an id at each position (at most 68, in the next
+        // window). A position where the walk must stop maps to itself: another marker, or
+        // an id cut off by the end of the data.
         let ends = _mm512_add_epi8(positions, len);
-        let stop = other | _mm512_cmpgt_epu8_mask(ends, _mm512_set1_epi8(limit as i8));
-        let mut jump = _mm512_mask_mov_epi8(ends, stop, positions);
-        // Lane `k` below 32: the position of the window's id `k` (`jump` applied `k` times
-        // to 0), built from `jump^(2^i)` for each set bit `i` of `k`. `jump` ends as
-        // `jump^32`, whose entry 0 is the first id not taken: where the walk stops, or the
-        // 33rd id. The next window starts there, so only this chain of permutes lies between
-        // two windows' loads, not the count below.
-        let mut at = _mm512_set1_epi8(0);
-        for round_lanes in ROUND_LANES {
-            at = _mm512_mask2_permutex2var_epi8(jump, at, round_lanes, past_window);
-            jump = _mm512_permutex2var_epi8(jump, jump, past_window);
+        let stop = other | _mm512_cmpgt_epu8_mask(ends, _mm512_set1_epi8(avail as i8));
+        let jump = _mm512_mask_mov_epi8(ends, stop, positions);
+        // `jump^(2^i)` for i = 0..5, and `jump^32`: from the window's bytes alone.
+        let mut powers = [jump; 6];
+        for i in 1..powers.len() {
+            powers[i] = _mm512_permutex2var_epi8(powers[i - 1], powers[i - 1], past_window);
         }
-        let next = (_mm_cvtsi128_si32(_mm512_castsi512_si128(jump)) & 0xff) as usize;
-        // The ids before the stop (the walk stays at it once there); lanes 32..64 repeat
-        // lanes 0..32.
-        let stop_at = _mm512_permutexvar_epi8(_mm512_set1_epi8(0), jump);
-        let before = _mm512_cmplt_epu8_mask(at, stop_at) & (u64::MAX >> (64 - MAX_IDS));
-        let taken = before.count_ones() as usize;
-        let len_at = _mm512_permutexvar_epi8(at, len);
-        let end_at = _mm512_add_epi8(at, len_at);
-        let count = taken.min(out.len() - filled);
-        if count == 0 {
-            break;
+        // A window of more than 32 ids is walked again from its 33rd.
+        loop {
+            // Lane `k` below 32: the position of the id `k` ids after `entry`, built from
+            // the powers for each set bit of `k`; lane 0 of `jump^32` at `entry` is where
+            // this walk ends: the first id not taken.
+            let start = _mm512_set1_epi8(entry as i8);
+            let mut at = start;
+            for (power, round_lanes) in powers.iter().zip(ROUND_LANES) {
+                at = _mm512_mask2_permutex2var_epi8(*power, at, round_lanes, past_window);
+            }
+            let stop_at = _mm512_permutexvar_epi8(start, powers[5]);
+            let next = (_mm_cvtsi128_si32(_mm512_castsi512_si128(stop_at)) & 0xff) as usize;
+            // The ids before the stop (the walk stays at it once there); lanes 32..64
+            // repeat lanes 0..32.
+            let before = _mm512_cmplt_epu8_mask(at, stop_at) & (u64::MAX >> (64 - MAX_IDS));
+            let taken = before.count_ones() as usize;
+            let count = taken.min(out.len() - filled);
+            if count > 0 {
+                let len_at = _mm512_permutexvar_epi8(at, len);
+                // An id's last byte (up to 67, in the next window), and how many bytes its
+                // value has (1 for a fixint, the marker).
+                let last = _mm512_sub_epi8(_mm512_add_epi8(at, len_at), one);
+                let width = _mm512_max_epu8(_mm512_sub_epi8(len_at, one), one);
+                let slots = &mut out[filled..filled + count];
+                for (group, pick) in GROUPS.iter().enumerate().take(count.div_ceil(16)) {
+                    let pick = constant(pick);
+                    let last = _mm512_permutexvar_epi8(pick, last);
+                    let width = _mm512_permutexvar_epi8(pick, width);
+                    // Little-endian byte `b` of an id is its `b`-th byte from the end, if
+                    // it has one.
+                    let source = _mm512_sub_epi8(last, byte_of_lane);
+                    let present = _mm512_cmplt_epu8_mask(byte_of_lane, width);
+                    let values = _mm512_maskz_permutex2var_epi8(present, window, source, following);
+                    let left = count - 16 * group;
+                    let mask = if left >= 16 {
+                        u16::MAX
+                    } else {
+                        (1u16 << left) - 1
+                    };
+                    let dst = &mut slots[16 * group..];
+                    // SAFETY: the mask selects the first `min(left, 16)` slots of `dst`,
+                    // and `dst` holds `left` of them; the masked-off lanes are not written.
+                    unsafe { _mm512_mask_storeu_epi32(dst.as_mut_ptr().cast(), mask, values) };
+                }
+                filled += count;
+            }
+            if count < taken {
+                // `out` is full: the first id not taken starts at lane `count`.
+                let first = _mm512_permutexvar_epi8(_mm512_set1_epi8(count as i8), at);
+                let first = (_mm_cvtsi128_si32(_mm512_castsi512_si128(first)) & 0xff) as usize;
+                return (base + first, filled);
+            }
+            if next >= 64 {
+                // Every id that starts in the window is taken.
+                entry = next - 64;
+                break;
+            }
+            if taken < MAX_IDS {
+                // Stopped at another marker or a cut-off id: the caller's loop goes on there.
+                return (base + next, filled);
+            }
+            entry = next;
         }
-        // An id's last byte, and how many bytes its value has (1 for a fixint, the marker).
-        let last = _mm512_sub_epi8(end_at, one);
-        let width = _mm512_max_epu8(_mm512_sub_epi8(len_at, one), one);
-        let slots = &mut out[filled..filled + count];
-        for (group, pick) in GROUPS.iter().enumerate().take(count.div_ceil(16)) {
-            let pick = constant(pick);
-            let last = _mm512_permutexvar_epi8(pick, last);
-            let width = _mm512_permutexvar_epi8(pick, width);
-            // Little-endian byte `b` of an id is its `b`-th byte from the end, if it has one.
-            let source = _mm512_sub_epi8(last, byte_of_lane);
-            let present = _mm512_cmplt_epu8_mask(byte_of_lane, width);
-            let values = _mm512_maskz_permutexvar_epi8(present, source, window);
-            let left = count - 16 * group;
-            let mask = if left >= 16 {
-                u16::MAX
-            } else {
-                (1u16 << left) - 1
-            };
-            let dst = &mut slots[16 * group..];
-            // SAFETY: the mask selects the first `min(left, 16)` slots of `dst`, and `dst`
-            // holds `left` of them; the masked-off lanes are not written.
-            unsafe { _mm512_mask_storeu_epi32(dst.as_mut_ptr().cast(), mask, values) };
-        }
-        filled += count;
-        // All ids before the stop taken, or, with `out` full, the start of the first not
-        // (`count` < 32).
-        pos += if count == taken {
-            next
-        } else {
-            let first = _mm512_permutexvar_epi8(_mm512_set1_epi8(count as i8), at);
-            (_mm_cvtsi128_si32(_mm512_castsi512_si128(first)) & 0xff) as usize
-        };
+        base += 64;
+        window = following;
     }
-    (pos, filled)
+    (bytes.len().min(base + entry), filled)
 }
 
 #[cfg(test)]
