@@ -29,6 +29,8 @@ use std::arch::x86_64::{
     _mm512_permutex2var_epi8, _mm512_permutexvar_epi8, _mm512_set1_epi8, _mm512_sub_epi8,
 };
 
+use crate::simd::{constant, lanes, spread};
+
 /// [`crate::msgpack_uints`] with AVX-512 (F, BW and VBMI, and POPCNT, which every CPU with
 /// them has), or `None` when the CPU lacks them.
 #[inline]
@@ -39,28 +41,6 @@ pub(crate) fn msgpack_uints(bytes: &[u8], out: &mut [u32]) -> Option<(usize, usi
         && std::arch::is_x86_feature_detected!("popcnt");
     // SAFETY: the CPU has the four features (checked just above).
     avx512.then(|| unsafe { msgpack_uints_avx512(bytes, out) })
-}
-
-/// Byte `i` is `i + add`.
-const fn lanes(add: u8) -> [u8; 64] {
-    let mut lanes = [0u8; 64];
-    let mut i = 0;
-    while i < 64 {
-        lanes[i] = i as u8 + add;
-        i += 1;
-    }
-    lanes
-}
-
-/// Byte `i` is `i / 4 + add`: the 4 bytes of 32-bit lane `k` pick element `k + add`.
-const fn spread4(add: u8) -> [u8; 64] {
-    let mut lanes = [0u8; 64];
-    let mut i = 0;
-    while i < 64 {
-        lanes[i] = (i / 4) as u8 + add;
-        i += 1;
-    }
-    lanes
 }
 
 /// The window's positions, and positions 64..128 mapped to themselves: the second table of
@@ -77,8 +57,8 @@ static BYTE_OF_LANE: [u8; 64] = {
     }
     lanes
 };
-/// The element of each byte for the four groups of 16 ids of a window.
-static GROUPS: [[u8; 64]; 2] = [spread4(0), spread4(16)];
+/// The element of each byte for the two groups of 16 ids of a walk.
+static GROUPS: [[u8; 64]; 2] = [spread(4, 0), spread(4, 16)];
 /// Bytes ahead of the window that each window prefetches.
 const PREFETCH_AHEAD: usize = 256;
 /// Ids a window takes at most: more doubling rounds would take more ids of one byte (fixints
@@ -92,15 +72,6 @@ const ROUND_LANES: [u64; 5] = [
     0xFF00_FF00_FF00_FF00,
     0xFFFF_0000_FFFF_0000,
 ];
-
-/// A 64-byte constant as a vector.
-#[inline(always)]
-fn constant(table: &'static [u8; 64]) -> __m512i {
-    // SAFETY: the load reads the 64 bytes of `table`; `loadu` has no alignment requirement,
-    // and `_mm512_loadu_si512` needs AVX-512F, which every caller (inlined into
-    // `msgpack_uints_avx512`) has.
-    unsafe { _mm512_loadu_si512(table.as_ptr().cast()) }
-}
 
 /// The 64 bytes of `bytes` from `at` on, zero past its end (a masked load where fewer
 /// remain).

@@ -129,7 +129,7 @@ pub(crate) fn compact_ids(body: &[u8], start: usize, out: &mut Vec<u32>) -> Opti
 }
 
 /// Byte `i` is `i + add` (wrapping).
-const fn lanes(add: u8) -> [u8; 64] {
+pub(crate) const fn lanes(add: u8) -> [u8; 64] {
     let mut lanes = [0u8; 64];
     let mut i = 0;
     while i < 64 {
@@ -139,12 +139,12 @@ const fn lanes(add: u8) -> [u8; 64] {
     lanes
 }
 
-/// Byte `i` is `i / 8 + add`: the 8 bytes of 64-bit lane `k` pick element `k + add`.
-const fn spread(add: u8) -> [u8; 64] {
+/// Byte `i` is `i / width + add`: the `width` bytes of lane `k` pick element `k + add`.
+pub(crate) const fn spread(width: usize, add: u8) -> [u8; 64] {
     let mut lanes = [0u8; 64];
     let mut i = 0;
     while i < 64 {
-        lanes[i] = (i / 8) as u8 + add;
+        lanes[i] = (i / width) as u8 + add;
         i += 1;
     }
     lanes
@@ -155,8 +155,8 @@ static WINDOW_POSITIONS: [u8; 64] = lanes(8);
 /// Each byte takes its predecessor's element (byte 0 is overwritten).
 static PREVIOUS: [u8; 64] = lanes(u8::MAX);
 /// The ids of a group of eight: elements 0–7 and 8–15, one per 64-bit lane.
-static FIRST_EIGHT: [u8; 64] = spread(0);
-static SECOND_EIGHT: [u8; 64] = spread(8);
+static FIRST_EIGHT: [u8; 64] = spread(8, 0);
+static SECOND_EIGHT: [u8; 64] = spread(8, 8);
 /// Byte `b` of each 64-bit lane: `b − 8`, so an id's comma position plus this is the position
 /// of byte `b` of the 8 bytes that end at the comma.
 static BEFORE_COMMA: [u8; 64] = {
@@ -182,10 +182,10 @@ static EVEN_HALVES: [u8; 64] = {
 
 /// A 64-byte constant as a vector.
 #[inline(always)]
-fn constant(table: &'static [u8; 64]) -> __m512i {
+pub(crate) fn constant(table: &'static [u8; 64]) -> __m512i {
     // SAFETY: the load reads the 64 bytes of `table`; `loadu` has no alignment requirement,
     // and `_mm512_loadu_si512` needs AVX-512F, which every caller (inlined into
-    // `compact_ids_avx512`) has.
+    // `compact_ids_avx512` or msgpack.rs's `msgpack_uints_avx512`) has.
     unsafe { _mm512_loadu_si512(table.as_ptr().cast()) }
 }
 
