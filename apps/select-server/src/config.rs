@@ -207,6 +207,13 @@ struct Cli {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024), value_name = "N")]
     kv_listener_threads: Option<u64>,
 
+    /// Microseconds a KV listener thread applies events before it steps aside at the next
+    /// write-section boundary: it releases the index lock and yields its core, so the
+    /// scheduler takes a busy listener's core between sections rather than inside one, and
+    /// `/select` waits less for both. 0 never steps aside.
+    #[arg(long, default_value = "250", value_parser = clap::value_parser!(u64).range(0..=1_000_000), value_name = "US")]
+    kv_writer_step_aside_us: u64,
+
     /// Seconds a KV listener waits for an engine's gap replay before abandoning it (the
     /// missing batches are then counted lost) and going on with live events (fractional
     /// accepted).
@@ -307,6 +314,8 @@ pub struct ServerConfig {
     pub kv_replay_timeout: Duration,
     /// `--kv-listener-threads` (`None`: one per available core).
     pub kv_listener_threads: Option<std::num::NonZeroUsize>,
+    /// `--kv-writer-step-aside-us` (`None`: 0, never).
+    pub kv_writer_step_aside: Option<Duration>,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
@@ -356,6 +365,7 @@ impl Default for ServerConfig {
             http_threads: None,
             kv_replay_timeout: Duration::from_secs(5),
             kv_listener_threads: None,
+            kv_writer_step_aside: Some(service_builder::DEFAULT_KV_WRITER_STEP_ASIDE),
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             policy_classes: None,
@@ -582,6 +592,8 @@ impl ServerConfig {
                 .kv_listener_threads
                 .and_then(|n| usize::try_from(n).ok())
                 .and_then(std::num::NonZeroUsize::new),
+            kv_writer_step_aside: (cli.kv_writer_step_aside_us > 0)
+                .then(|| Duration::from_micros(cli.kv_writer_step_aside_us)),
             router,
             policy_names,
             policy_classes: file.and_then(|f| f.classes),
@@ -974,6 +986,22 @@ mod tests {
             Some(1)
         );
         assert!(err(&["--kv-listener-threads", "0"], &[]).contains("--kv-listener-threads"));
+    }
+
+    #[test]
+    fn kv_writer_step_aside_defaults_to_250_us_and_0_turns_it_off() {
+        assert_eq!(
+            parse(&[], &[]).unwrap().kv_writer_step_aside,
+            Some(Duration::from_micros(250))
+        );
+        let cfg = parse(&["--kv-writer-step-aside-us", "80"], &[]).unwrap();
+        assert_eq!(cfg.kv_writer_step_aside, Some(Duration::from_micros(80)));
+        let cfg = parse(&["--kv-writer-step-aside-us", "0"], &[]).unwrap();
+        assert_eq!(cfg.kv_writer_step_aside, None);
+        assert!(
+            err(&["--kv-writer-step-aside-us", "2000000"], &[])
+                .contains("--kv-writer-step-aside-us")
+        );
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! How a lookup waits for a batch writer's section without giving its core away.
+//! How a lookup waits for a batch writer's section without giving its core away, and how a
+//! batch writer gives its core away between sections.
 //!
 //! A `parking_lot` reader that finds the lock write-held spins, then calls `sched_yield`
 //! up to seven times before it parks. While the listener threads keep every core busy,
@@ -8,7 +9,18 @@
 //! that finds the lock taken sleeps on a condition variable instead, and the batch writer,
 //! at the end of its section, downgrades the lock, wakes the sleeping lookups and lets them
 //! in before it takes the next section.
+//!
+//! A listener that has events to apply never sleeps, so the scheduler takes its core away
+//! at a tick or a wake-up of its choosing: inside a write section as often as not, and then
+//! every lookup of the partition waits until the listener runs again, and the HTTP thread
+//! woken on the same core waits for the listener's slice to end. A gate made with a
+//! step-aside interval ([`ReadGate::with_step_aside`]) has a batch writer that has run that
+//! long end its section at the next boundary, release the lock and yield its core
+//! (`sched_yield`, which returns at once when nothing else is runnable): the core changes
+//! hands where no lookup can be caught behind it, and a woken HTTP thread waits at most
+//! about one interval.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -44,6 +56,17 @@ pub struct ReadGate {
     waits: AtomicU64,
     long_waits: AtomicU64,
     longest_ns: AtomicU64,
+    /// How long a batch writer runs before it steps aside at a section boundary
+    /// (`None`: never).
+    step_aside_after: Option<Duration>,
+    /// Times batch writers stepped aside.
+    step_asides: AtomicU64,
+}
+
+thread_local! {
+    /// When the calling thread last stepped aside at any gate, or first asked: the
+    /// interval is the thread's own running time, whatever partitions it writes.
+    static LAST_STEP_ASIDE: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
 /// What the lookups of one [`ReadGate`] waited, since it was made.
@@ -56,11 +79,46 @@ pub struct GateCounts {
     pub over_50us: u64,
     /// The longest wait.
     pub longest: Duration,
+    /// Times a batch writer ended its section early to yield its core
+    /// ([`ReadGate::with_step_aside`]).
+    pub step_asides: u64,
 }
 
 impl ReadGate {
     pub fn new() -> Self {
         ReadGate::default()
+    }
+
+    /// A gate whose batch writers step aside once they have run `interval` (`None`: never):
+    /// they end the section at the next boundary, release the lock and yield their core.
+    pub fn with_step_aside(interval: Option<Duration>) -> Self {
+        ReadGate {
+            step_aside_after: interval,
+            ..ReadGate::default()
+        }
+    }
+
+    /// Whether the calling batch writer has run this gate's step-aside interval since it
+    /// last stepped aside (never, without an interval). One clock read.
+    pub(crate) fn step_aside_due(&self) -> bool {
+        let Some(interval) = self.step_aside_after else {
+            return false;
+        };
+        let now = Instant::now();
+        match LAST_STEP_ASIDE.get() {
+            Some(last) => now.duration_since(last) >= interval,
+            None => {
+                LAST_STEP_ASIDE.set(Some(now));
+                false
+            }
+        }
+    }
+
+    /// Yields the calling batch writer's core; call it holding no lock of the index.
+    pub(crate) fn step_aside(&self) {
+        std::thread::yield_now();
+        LAST_STEP_ASIDE.set(Some(Instant::now()));
+        self.step_asides.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A read guard of `lock`, waiting (asleep) for the write section that holds it.
@@ -117,6 +175,7 @@ impl ReadGate {
             waits: self.waits.load(Ordering::Relaxed),
             over_50us: self.long_waits.load(Ordering::Relaxed),
             longest: Duration::from_nanos(self.longest_ns.load(Ordering::Relaxed)),
+            step_asides: self.step_asides.load(Ordering::Relaxed),
         }
     }
 

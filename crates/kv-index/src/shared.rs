@@ -140,6 +140,10 @@ impl SharedKvIndex {
 /// one partition a lookup would queue behind every one of their sections (docs/hot-path.md);
 /// with the turn, at most one writer waits on the index lock, and each hand-over between
 /// sections goes to the lookups that arrived meanwhile.
+///
+/// With a step-aside interval at `gate` ([`ReadGate::with_step_aside`]), a writer that has
+/// run that long releases the lock at the next section boundary and yields its core
+/// before it goes on (gate.rs says why).
 pub fn apply_batch_fairly(
     index: &RwLock<KvIndex>,
     writers: &Mutex<()>,
@@ -161,6 +165,13 @@ pub fn apply_batch_fairly(
             }
             apply_fairly(index, op);
             continue;
+        }
+        let boundary = guard.is_none() || section + blocks > SECTION_BLOCKS;
+        if boundary && gate.step_aside_due() {
+            if let Some(held) = guard.take() {
+                gate.unlock(held);
+            }
+            gate.step_aside();
         }
         let mut held = match guard.take() {
             Some(held) if section + blocks > SECTION_BLOCKS => {

@@ -170,7 +170,7 @@ pub use catalog::{
     Lifecycle, MAX_DATA_PARALLEL_SIZE, PartitionKey, WorkerCatalogRecord, WorkerPatch,
     WorkerRequest,
 };
-pub use core::{Attempt, CoreConfig, PolicyFactory, SelectionCore};
+pub use core::{Attempt, CoreConfig, DEFAULT_KV_WRITER_STEP_ASIDE, PolicyFactory, SelectionCore};
 pub use discovery::CatalogReconciler;
 pub use error::{BuildError, ErrorKind, RejectionDetails, SelectionError};
 /// Listener statistics and their label sets, for exporters.

@@ -229,6 +229,16 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         MetricType::Counter,
         snapshot.iter().map(|r| (part(r), r.lookup_waits.over_50us)),
     )?;
+    rows(
+        enc,
+        "index_writer_step_asides",
+        "Times a listener ended its write section early to yield its core (after running \
+         the step-aside interval).",
+        MetricType::Counter,
+        snapshot
+            .iter()
+            .map(|r| (part(r), r.lookup_waits.step_asides)),
+    )?;
     let mut longest = enc.encode_descriptor(
         "index_lookup_wait_max_seconds",
         "The longest such wait since the partition was created.",

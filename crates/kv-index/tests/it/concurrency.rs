@@ -225,28 +225,31 @@ fn a_batch_in_sections_equals_its_operations_one_by_one() {
     ));
     ops.push(stored(w(0, 0), StorageTier::HostPinned, None, &[(3, 4)]));
 
-    let sections = parking_lot::RwLock::new(KvIndex::with_block_size(16));
-    kv_index::apply_batch_fairly(
-        &sections,
-        &parking_lot::Mutex::new(()),
-        &kv_index::ReadGate::new(),
-        &ops,
-    );
     let one_by_one = SharedKvIndex::new(KvIndex::with_block_size(16));
     for op in &ops {
         one_by_one.apply(op);
     }
-    let sections = sections.into_inner();
-    assert_eq!(sections.counters(), one_by_one.counters());
-    assert_eq!(
-        sections.snapshot_operations(),
-        one_by_one.snapshot_operations()
-    );
-    assert!(
-        sections.counters().stored_ok > 40,
-        "{:?}",
-        sections.counters()
-    );
+    // Without stepping aside, and stepping aside at every section boundary (an interval
+    // of zero): the writer releases the lock and yields between sections.
+    for (step_aside, stepped) in [(None, false), (Some(std::time::Duration::ZERO), true)] {
+        let sections = parking_lot::RwLock::new(KvIndex::with_block_size(16));
+        let gate = kv_index::ReadGate::with_step_aside(step_aside);
+        kv_index::apply_batch_fairly(&sections, &parking_lot::Mutex::new(()), &gate, &ops);
+        let steps = gate.counts().step_asides;
+        // 40 stores of 8 blocks fill at least 10 sections of 32.
+        assert_eq!(steps >= 9, stepped, "{step_aside:?}: {steps} step-asides");
+        let sections = sections.into_inner();
+        assert_eq!(sections.counters(), one_by_one.counters());
+        assert_eq!(
+            sections.snapshot_operations(),
+            one_by_one.snapshot_operations()
+        );
+        assert!(
+            sections.counters().stored_ok > 40,
+            "{:?}",
+            sections.counters()
+        );
+    }
 }
 
 /// Listener threads writing one partition at once through the writers' turn: every batch
@@ -256,7 +259,11 @@ fn a_batch_in_sections_equals_its_operations_one_by_one() {
 fn concurrent_batch_writers_take_turns() {
     let index = Arc::new(parking_lot::RwLock::new(KvIndex::with_block_size(16)));
     let writers = Arc::new(parking_lot::Mutex::new(()));
-    let gate = Arc::new(kv_index::ReadGate::new());
+    // Writers that step aside every few microseconds: the lock changes hands between
+    // sections that way too.
+    let gate = Arc::new(kv_index::ReadGate::with_step_aside(Some(
+        std::time::Duration::from_micros(5),
+    )));
     let batch = |worker: u64, k: u64| -> Vec<kv_types::KvOperation> {
         (0..32u64)
             .map(|e| {

@@ -362,7 +362,7 @@ impl SelectionCore {
             records_decisions: records_decisions(&index),
             index: RwLock::new(index),
             index_writers: Mutex::new(()),
-            index_gate: kv_index::ReadGate::new(),
+            index_gate: kv_index::ReadGate::with_step_aside(self.config.kv_writer_step_aside),
             ledger: Mutex::new(Ledger::new(LedgerConfig {
                 expiry: self.config.active_request_expiry,
             })),

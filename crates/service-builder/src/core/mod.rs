@@ -43,6 +43,11 @@ use crate::pending::{PendingCache, SelectionCacheConfig};
 /// Builds the worker-selection policy of a partition; called once per partition.
 pub type PolicyFactory = Arc<dyn Fn(&RouterConfig, &PartitionKey) -> Policy + Send + Sync>;
 
+/// [`CoreConfig::kv_writer_step_aside`]'s default: about a tenth of the scheduler's slice,
+/// so a `/select` woken on a listener's core waits far less than one (docs/hot-path.md,
+/// "listeners that step aside").
+pub const DEFAULT_KV_WRITER_STEP_ASIDE: Duration = Duration::from_micros(250);
+
 /// Everything the core needs to know, with the spec's defaults.
 #[derive(Clone, Debug)]
 pub struct CoreConfig {
@@ -59,6 +64,11 @@ pub struct CoreConfig {
     /// 1,024 listeners (`None` = one per available core; more are made past that many
     /// listeners).
     pub kv_listener_threads: Option<std::num::NonZeroUsize>,
+    /// How long a listener thread applies events before it steps aside at the next
+    /// write-section boundary: it releases the index lock and yields its core, so a busy
+    /// listener is preempted between sections rather than inside one, and a woken HTTP
+    /// thread gets the core within about this long (`None`: never; see kv-index's gate.rs).
+    pub kv_writer_step_aside: Option<Duration>,
     /// Seed of the pickers' random source (`None` = from the clock).
     pub rng_seed: Option<u64>,
     /// Enables per-partition session-affinity tables (hard mode) with this idle TTL.
@@ -85,6 +95,7 @@ impl Default for CoreConfig {
             max_active_reservations: None,
             replay_timeout: Duration::from_secs(5),
             kv_listener_threads: None,
+            kv_writer_step_aside: Some(DEFAULT_KV_WRITER_STEP_ASIDE),
             rng_seed: None,
             session_affinity_ttl: None,
             replica_id: 0,

@@ -537,6 +537,10 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
         &text,
         r#"kv_select_index_lookup_wait_max_seconds{model_name="default",routing_group="default"} 0.0"#,
     );
+    has(
+        &text,
+        "# TYPE kv_select_index_writer_step_asides_total counter",
+    );
     let bytes: u64 = text
         .lines()
         .find_map(|l| {
