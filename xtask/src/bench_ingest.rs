@@ -183,7 +183,12 @@ struct Run {
     /// the longest wait (the server's `kv_select_index_lookup_*` metrics after the stream).
     lookup_waits: u64,
     lookup_waits_over_50us: u64,
+    /// Of those, the waits a writer let in more than 50 µs after they began (the rest
+    /// waited for a core after it let them in).
+    lookup_waits_behind_writer: u64,
     lookup_wait_max: Duration,
+    /// Times a listener ended a write section early to yield its core.
+    step_asides: u64,
     /// The same selections as the service timed them (`kv_select_selection_duration_seconds`
     /// over the stream): from the request's arrival in the selection service to its answer,
     /// lock waits included, without the HTTP thread's or the client's waits for a core.
@@ -544,6 +549,11 @@ async fn drive(
     Ok(Run {
         lookup_waits: gauge(&text, "kv_select_index_lookup_waits_total"),
         lookup_waits_over_50us: gauge(&text, "kv_select_index_lookup_waits_over_50us_total"),
+        lookup_waits_behind_writer: gauge(
+            &text,
+            "kv_select_index_lookup_waits_behind_writer_over_50us_total",
+        ),
+        step_asides: gauge(&text, "kv_select_index_writer_step_asides_total"),
         lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
         in_service,
         blocks: w.stream_blocks(),
@@ -787,12 +797,12 @@ fn print_table(w: &Workload, runs: &[Run]) {
         w.shared * 100.0
     );
     println!(
-        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  longest (µs)  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
+        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, r) in runs.iter().enumerate() {
         println!(
-            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>12.0}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
+            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
             i + 1,
             r.rate() / 1e6,
             cpu(r),
@@ -806,7 +816,9 @@ fn print_table(w: &Workload, runs: &[Run]) {
             r.in_service.over(1e-3),
             r.lookup_waits,
             r.lookup_waits_over_50us,
+            r.lookup_waits_behind_writer,
             us(r.lookup_wait_max),
+            r.step_asides,
             r.registration.as_secs_f64(),
             r.threads,
             r.descriptors,

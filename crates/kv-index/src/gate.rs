@@ -44,7 +44,7 @@ const SPIN_FOR: Duration = Duration::from_micros(10);
 const LONG_WAIT: Duration = Duration::from_micros(50);
 
 /// The lookups waiting for a writer's section of one lock, and the signal that one ended.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ReadGate {
     /// Lookups between a failed first try and their read guard.
     waiting: AtomicUsize,
@@ -56,11 +56,23 @@ pub struct ReadGate {
     waits: AtomicU64,
     long_waits: AtomicU64,
     longest_ns: AtomicU64,
+    /// Of the long waits, those the writer let in more than [`LONG_WAIT`] after they began.
+    long_behind_writer: AtomicU64,
+    /// When a batch writer last let waiting lookups in ([`clock`]), stamped before it
+    /// releases the lock, so a lookup reads the stamp of the hand-over that let it in.
+    let_in_at: AtomicU64,
     /// How long a batch writer runs before it steps aside at a section boundary
     /// (`None`: never).
     step_aside_after: Option<Duration>,
     /// Times batch writers stepped aside.
     step_asides: AtomicU64,
+}
+
+/// Nanoseconds since the first call in this process: a time that fits an atomic.
+fn clock(at: Instant) -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(at.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
 }
 
 thread_local! {
@@ -77,11 +89,36 @@ pub struct GateCounts {
     /// Of those, the ones that waited longer than 50 µs (until their read guard, including
     /// any wait for a core after the wake-up).
     pub over_50us: u64,
+    /// Of those, the ones a batch writer let in more than 50 µs after they began to wait:
+    /// behind a write section that ran long or whose writer lost its core inside it. The
+    /// other long waits were let in sooner and then waited for a core themselves. A wait
+    /// that ends at another writer's unlock (a worker's removal, a recorded decision, a
+    /// long store's pieces) counts here whole.
+    pub behind_writer_over_50us: u64,
     /// The longest wait.
     pub longest: Duration,
     /// Times a batch writer ended its section early to yield its core
     /// ([`ReadGate::with_step_aside`]).
     pub step_asides: u64,
+}
+
+impl Default for ReadGate {
+    fn default() -> Self {
+        // Fixes the clock's epoch no later than the first wait at this gate begins.
+        clock(Instant::now());
+        ReadGate {
+            waiting: AtomicUsize::new(0),
+            ended: Mutex::new(0),
+            signal: Condvar::new(),
+            waits: AtomicU64::new(0),
+            long_waits: AtomicU64::new(0),
+            longest_ns: AtomicU64::new(0),
+            long_behind_writer: AtomicU64::new(0),
+            let_in_at: AtomicU64::new(0),
+            step_aside_after: None,
+            step_asides: AtomicU64::new(0),
+        }
+    }
 }
 
 impl ReadGate {
@@ -164,6 +201,17 @@ impl ReadGate {
         self.waits.fetch_add(1, Ordering::Relaxed);
         if waited > LONG_WAIT {
             self.long_waits.fetch_add(1, Ordering::Relaxed);
+            // Holding the read guard: no writer stamps again until it is dropped.
+            let began = clock(since);
+            let let_in = self.let_in_at.load(Ordering::SeqCst);
+            let behind = if let_in > began {
+                Duration::from_nanos(let_in - began)
+            } else {
+                waited
+            };
+            if behind > LONG_WAIT {
+                self.long_behind_writer.fetch_add(1, Ordering::Relaxed);
+            }
         }
         let nanos = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
         self.longest_ns.fetch_max(nanos, Ordering::Relaxed);
@@ -174,6 +222,7 @@ impl ReadGate {
         GateCounts {
             waits: self.waits.load(Ordering::Relaxed),
             over_50us: self.long_waits.load(Ordering::Relaxed),
+            behind_writer_over_50us: self.long_behind_writer.load(Ordering::Relaxed),
             longest: Duration::from_nanos(self.longest_ns.load(Ordering::Relaxed)),
             step_asides: self.step_asides.load(Ordering::Relaxed),
         }
@@ -197,6 +246,7 @@ impl ReadGate {
             RwLockWriteGuard::bump(&mut held);
             return held;
         }
+        self.stamp_let_in();
         let shared = RwLockWriteGuard::downgrade(held);
         self.wake();
         let until = Instant::now() + HAND_OVER_FOR;
@@ -210,10 +260,19 @@ impl ReadGate {
 
     /// Ends a batch writer's last section.
     pub fn unlock<T>(&self, held: RwLockWriteGuard<'_, T>) {
+        let waiting = self.has_waiting();
+        if waiting {
+            self.stamp_let_in();
+        }
         RwLockWriteGuard::unlock_fair(held);
-        if self.has_waiting() {
+        if waiting || self.has_waiting() {
             self.wake();
         }
+    }
+
+    fn stamp_let_in(&self) {
+        self.let_in_at
+            .store(clock(Instant::now()), Ordering::SeqCst);
     }
 
     fn wake(&self) {
@@ -263,7 +322,38 @@ mod tests {
         assert!(!gate.has_waiting());
         let counts = gate.counts();
         assert_eq!((counts.waits, counts.over_50us), (1, 1), "{counts:?}");
+        // The writer held its section 2 ms after the lookup began to wait.
+        assert_eq!(counts.behind_writer_over_50us, 1, "{counts:?}");
         assert!(counts.longest >= Duration::from_millis(1), "{counts:?}");
+    }
+
+    #[test]
+    fn a_long_wait_is_behind_the_writer_only_until_the_writer_let_it_in() {
+        let gate = ReadGate::new();
+        let since = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        // Let in 10 µs after it began, then 2 ms waiting for a core: not behind the writer.
+        gate.let_in_at
+            .store(clock(since + Duration::from_micros(10)), Ordering::SeqCst);
+        gate.count_wait(since);
+        // Let in 1 ms after it began: behind the writer.
+        gate.let_in_at
+            .store(clock(since + Duration::from_millis(1)), Ordering::SeqCst);
+        gate.count_wait(since);
+        // No hand-over since it began (another writer's unlock): the whole wait counts.
+        let later = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        gate.count_wait(later);
+        let counts = gate.counts();
+        assert_eq!(
+            (
+                counts.waits,
+                counts.over_50us,
+                counts.behind_writer_over_50us
+            ),
+            (3, 3, 2),
+            "{counts:?}"
+        );
     }
 
     #[test]

@@ -231,6 +231,17 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
     )?;
     rows(
         enc,
+        "index_lookup_waits_behind_writer_over_50us",
+        "Of those, lookups the writer let in more than 50 microseconds after they began to \
+         wait (a write section that ran long or whose writer lost its core in it); the \
+         other long waits were let in sooner and then waited for a core.",
+        MetricType::Counter,
+        snapshot
+            .iter()
+            .map(|r| (part(r), r.lookup_waits.behind_writer_over_50us)),
+    )?;
+    rows(
+        enc,
         "index_writer_step_asides",
         "Times a listener ended its write section early to yield its core (after running \
          the step-aside interval).",

@@ -535,6 +535,10 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
     );
     has(
         &text,
+        r#"kv_select_index_lookup_waits_behind_writer_over_50us_total{model_name="default",routing_group="default"} 0"#,
+    );
+    has(
+        &text,
         r#"kv_select_index_lookup_wait_max_seconds{model_name="default",routing_group="default"} 0.0"#,
     );
     has(
