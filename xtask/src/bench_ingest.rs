@@ -74,6 +74,11 @@ struct Args {
     /// Seconds `--perf` records (from the start of the stream).
     #[arg(long, default_value_t = 2)]
     perf_seconds: u64,
+    /// Milliseconds of the stall probe before the first round (0: none): one thread per
+    /// core spins reading the clock and counts the gaps over 50 µs, with nothing else of
+    /// ours running, so the lookup waits can be read against the machine's own stalls.
+    #[arg(long, default_value_t = 1000)]
+    stall_probe_ms: u64,
     /// Run from this (debug) build of the xtask instead of rerunning it as a release build.
     #[arg(long)]
     debug_client: bool,
@@ -119,6 +124,8 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
             crate::root().join("target/release/select-server")
         }
     };
+    let stalls = (args.stall_probe_ms > 0)
+        .then(|| crate::stall_probe::probe(Duration::from_millis(args.stall_probe_ms)));
     let mut runs = Vec::with_capacity(args.rounds);
     for round in 0..args.rounds {
         let perf = args.perf.as_deref().filter(|_| round + 1 == args.rounds);
@@ -134,7 +141,26 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         runs.push(run);
     }
     print_table(&workload, &runs);
+    if let Some(s) = stalls {
+        print_stalls(&s);
+    }
     Ok(())
+}
+
+#[expect(
+    clippy::print_stdout,
+    reason = "the results table is the task's output"
+)]
+fn print_stalls(s: &crate::stall_probe::Stalls) {
+    println!(
+        "machine stalls before the rounds ({} threads spinning {:.1} s, nothing else of ours running): {} gaps over 50 µs ({:.0} per core-second), {} over 1 ms, longest {:.0} µs",
+        s.threads,
+        s.span.as_secs_f64(),
+        s.over_50us,
+        s.over_50us_per_core_second(),
+        s.over_1ms,
+        us(s.longest),
+    );
 }
 
 /// The small configuration `cargo xtask ci` runs against the debug server: correctness

@@ -37,6 +37,7 @@ mod instructions;
 mod loom;
 mod python;
 mod replay;
+mod stall_probe;
 #[cfg(test)]
 mod tidy;
 
