@@ -74,10 +74,19 @@ struct Args {
     /// Seconds `--perf` records (from the start of the stream).
     #[arg(long, default_value_t = 2)]
     perf_seconds: u64,
-    /// Milliseconds of the stall probe before the first round (0: none): one thread per
-    /// core spins reading the clock and counts the gaps over 50 µs, with nothing else of
-    /// ours running, so the lookup waits can be read against the machine's own stalls.
-    #[arg(long, default_value_t = 1000)]
+    /// Compare with this server binary: each round runs it (the baseline) and the build
+    /// under test, in alternating order (ABBA), and the table ends with each one's
+    /// medians and their ratios, all from the same window.
+    #[arg(long, value_name = "PATH")]
+    baseline: Option<PathBuf>,
+    /// A flag for the baseline's server instead of the `--server-arg` flags (repeatable);
+    /// without `--baseline`, compares two settings of one binary.
+    #[arg(long = "baseline-arg", value_name = "ARG", allow_hyphen_values = true)]
+    baseline_args: Vec<String>,
+    /// Milliseconds of the stall probe before every run (0: none): one thread per core
+    /// spins reading the clock and counts the gaps over 50 µs, with nothing else of ours
+    /// running, so each run's lookup waits can be read against the machine's own stalls.
+    #[arg(long, default_value_t = 300)]
     stall_probe_ms: u64,
     /// Run from this (debug) build of the xtask instead of rerunning it as a release build.
     #[arg(long)]
@@ -124,43 +133,76 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
             crate::root().join("target/release/select-server")
         }
     };
-    let stalls = (args.stall_probe_ms > 0)
-        .then(|| crate::stall_probe::probe(Duration::from_millis(args.stall_probe_ms)));
-    let mut runs = Vec::with_capacity(args.rounds);
+    let (test, baseline) = builds(&args, binary);
+    let mut runs: Vec<(&'static str, Run)> = Vec::with_capacity(args.rounds * 2);
     for round in 0..args.rounds {
-        let perf = args.perf.as_deref().filter(|_| round + 1 == args.rounds);
-        let run = run_once(
-            &workload,
-            &binary,
-            &args.server_args,
-            args.select_interval_us,
-            perf,
-            args.perf_seconds,
-        )?;
-        eprintln!("xtask bench ingest: round {}: {}", round + 1, run.summary());
-        runs.push(run);
+        let last_round = round + 1 == args.rounds;
+        for build in round_order(round, &test, baseline.as_ref()) {
+            let stalls = (args.stall_probe_ms > 0)
+                .then(|| crate::stall_probe::probe(Duration::from_millis(args.stall_probe_ms)));
+            // The profile is of the build under test.
+            let perf = args
+                .perf
+                .as_deref()
+                .filter(|_| last_round && build.label == "test");
+            let mut run = run_once(
+                &workload,
+                &build.binary,
+                &build.server_args,
+                args.select_interval_us,
+                perf,
+                args.perf_seconds,
+            )?;
+            run.stalls = stalls;
+            eprintln!(
+                "xtask bench ingest: round {} ({}): {}",
+                round + 1,
+                build.label,
+                run.summary()
+            );
+            runs.push((build.label, run));
+        }
     }
-    print_table(&workload, &runs);
-    if let Some(s) = stalls {
-        print_stalls(&s);
-    }
+    print_table(&workload, &runs, baseline.is_some());
     Ok(())
 }
 
-#[expect(
-    clippy::print_stdout,
-    reason = "the results table is the task's output"
-)]
-fn print_stalls(s: &crate::stall_probe::Stalls) {
-    println!(
-        "machine stalls before the rounds ({} threads spinning {:.1} s, nothing else of ours running): {} gaps over 50 µs ({:.0} per core-second), {} over 1 ms, longest {:.0} µs",
-        s.threads,
-        s.span.as_secs_f64(),
-        s.over_50us,
-        s.over_50us_per_core_second(),
-        s.over_1ms,
-        us(s.longest),
-    );
+/// A server binary and its flags: the build under test, or the baseline it is compared with.
+#[derive(Debug, PartialEq)]
+struct Build {
+    label: &'static str,
+    binary: PathBuf,
+    server_args: Vec<String>,
+}
+
+/// The build under test (`binary` with `--server-arg`) and, with `--baseline` or
+/// `--baseline-arg`, the baseline: its binary defaults to the same one, its flags to the
+/// same flags.
+fn builds(args: &Args, binary: PathBuf) -> (Build, Option<Build>) {
+    let baseline = (args.baseline.is_some() || !args.baseline_args.is_empty()).then(|| Build {
+        label: "base",
+        binary: args.baseline.clone().unwrap_or_else(|| binary.clone()),
+        server_args: if args.baseline_args.is_empty() {
+            args.server_args.clone()
+        } else {
+            args.baseline_args.clone()
+        },
+    });
+    let test = Build {
+        label: "test",
+        binary,
+        server_args: args.server_args.clone(),
+    };
+    (test, baseline)
+}
+
+/// The runs of one round: ABBA order, so a drift over the rounds weighs on both builds alike.
+fn round_order<'a>(round: usize, test: &'a Build, base: Option<&'a Build>) -> Vec<&'a Build> {
+    match base {
+        Some(base) if round.is_multiple_of(2) => vec![base, test],
+        Some(base) => vec![test, base],
+        None => vec![test],
+    }
 }
 
 /// The small configuration `cargo xtask ci` runs against the debug server: correctness
@@ -215,6 +257,8 @@ struct Run {
     lookup_wait_max: Duration,
     /// Times a listener ended a write section early to yield its core.
     step_asides: u64,
+    /// The machine's own stalls, probed just before the run.
+    stalls: Option<crate::stall_probe::Stalls>,
     /// The same selections as the service timed them (`kv_select_selection_duration_seconds`
     /// over the stream): from the request's arrival in the selection service to its answer,
     /// lock waits included, without the HTTP thread's or the client's waits for a core.
@@ -580,6 +624,7 @@ async fn drive(
             "kv_select_index_lookup_waits_behind_writer_over_50us_total",
         ),
         step_asides: gauge(&text, "kv_select_index_writer_step_asides_total"),
+        stalls: None,
         lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
         in_service,
         blocks: w.stream_blocks(),
@@ -812,7 +857,7 @@ async fn select_loop(
     clippy::print_stdout,
     reason = "the results table is the task's output"
 )]
-fn print_table(w: &Workload, runs: &[Run]) {
+fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
     println!(
         "workload: {} workers × {} batches × {} events × {} blocks = {} blocks, {:.0} % below {SHARED_PREFIXES} shared prefixes",
         w.workers,
@@ -823,13 +868,20 @@ fn print_table(w: &Workload, runs: &[Run]) {
         w.shared * 100.0
     );
     println!(
-        "round  M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  register (s)  threads  fds  RSS (MiB)  HWM (MiB)"
+        "round       M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
-    for (i, r) in runs.iter().enumerate() {
+    for (i, (label, r)) in runs.iter().enumerate() {
+        // Compared, every round has one run of each build.
+        let round = if compared { i / 2 + 1 } else { i + 1 };
+        let name = if compared {
+            format!("{round} {label}")
+        } else {
+            round.to_string()
+        };
         println!(
-            "{:>5}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}",
-            i + 1,
+            "{:>10}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
+            name,
             r.rate() / 1e6,
             cpu(r),
             r.published_in.as_secs_f64(),
@@ -850,20 +902,87 @@ fn print_table(w: &Workload, runs: &[Run]) {
             r.descriptors,
             r.rss_kib as f64 / 1024.0,
             r.hwm_kib as f64 / 1024.0,
+            r.stalls.map_or_else(String::new, |s| format!(
+                "{:.0}",
+                s.over_50us_per_core_second()
+            )),
         );
     }
-    if runs.len() > 1 {
-        let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
+    let labels: &[&str] = if compared {
+        &["base", "test"]
+    } else {
+        &["test"]
+    };
+    let mut medians = Vec::new();
+    for &label in labels {
+        let of: Vec<&Run> = runs
+            .iter()
+            .filter(|(l, _)| *l == label)
+            .map(|(_, r)| r)
+            .collect();
+        if of.len() < 2 && !compared {
+            return;
+        }
+        let m = Medians::of(&of);
         println!(
-            "median {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}",
-            m(&|r| r.rate() / 1e6),
-            m(&cpu),
-            m(&|r| r.published_in.as_secs_f64()),
-            m(&|r| us(r.percentile(50.0))),
-            m(&|r| us(r.percentile(99.0))),
+            "{:>10}  {:>10.3}  {:>14.3}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
+            if compared {
+                format!("median {label}")
+            } else {
+                "median".to_owned()
+            },
+            m.rate,
+            m.cpu,
             "",
-            m(&|r| r.percentile_less_client_waits_us(99.0)),
+            m.p50,
+            m.p99,
+            "",
+            m.p99_less_client_waits,
+            "",
+            "",
+            "",
+            "",
+            m.over_50us,
+            m.behind_writer,
         );
+        medians.push(m);
+    }
+    if let [base, test] = medians.as_slice() {
+        println!(
+            "test / base (medians): M blocks/s ×{:.3}, CPU per M blocks ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
+            test.rate / base.rate,
+            test.cpu / base.cpu,
+            test.p99 / base.p99,
+            test.p99_less_client_waits / base.p99_less_client_waits,
+            test.over_50us / base.over_50us,
+            test.behind_writer / base.behind_writer,
+        );
+    }
+}
+
+/// Medians of one build's runs, for the table's last lines and the ratios.
+struct Medians {
+    rate: f64,
+    cpu: f64,
+    p50: f64,
+    p99: f64,
+    p99_less_client_waits: f64,
+    over_50us: f64,
+    behind_writer: f64,
+}
+
+impl Medians {
+    fn of(runs: &[&Run]) -> Self {
+        let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(|r| f(r)).collect());
+        Medians {
+            rate: m(&|r| r.rate() / 1e6),
+            cpu: m(&|r| r.cpu_per_million().unwrap_or(f64::NAN)),
+            p50: m(&|r| us(r.percentile(50.0))),
+            p99: m(&|r| us(r.percentile(99.0))),
+            p99_less_client_waits: m(&|r| r.percentile_less_client_waits_us(99.0)),
+            over_50us: m(&|r| r.lookup_waits_over_50us as f64),
+            behind_writer: m(&|r| r.lookup_waits_behind_writer as f64),
+        }
     }
 }
 
@@ -926,6 +1045,51 @@ mod tests {
         let q = Args::try_parse_from(["x", "--server-arg=--kv-listener-threads=1"]).unwrap();
         assert_eq!(q.server_args, ["--kv-listener-threads=1"]);
         assert!(Args::try_parse_from(["x", "--workers", "x"]).is_err());
+    }
+
+    #[test]
+    fn a_baseline_is_another_binary_or_other_flags_and_runs_in_abba_order() {
+        let bin = || PathBuf::from("/b/test");
+        let alone = Args::try_parse_from(["x", "--server-arg=--a"]).unwrap();
+        let (test, base) = builds(&alone, bin());
+        assert_eq!(
+            (test.binary, test.server_args),
+            (bin(), vec!["--a".to_owned()])
+        );
+        assert_eq!(base, None);
+
+        let flags = Args::try_parse_from(["x", "--server-arg=--a", "--baseline-arg=--b"]).unwrap();
+        let (test, base) = builds(&flags, bin());
+        let base = base.unwrap();
+        assert_eq!(
+            (base.binary, base.server_args),
+            (bin(), vec!["--b".to_owned()])
+        );
+        assert_eq!(test.server_args, ["--a"]);
+
+        let binary =
+            Args::try_parse_from(["x", "--server-arg=--a", "--baseline", "/b/old"]).unwrap();
+        let (test, base) = builds(&binary, bin());
+        let base = base.unwrap();
+        assert_eq!(base.binary, PathBuf::from("/b/old"));
+        assert_eq!(base.server_args, ["--a"]);
+
+        let labels = |round| -> Vec<&str> {
+            round_order(round, &test, Some(&base))
+                .iter()
+                .map(|b| b.label)
+                .collect()
+        };
+        assert_eq!(
+            (0..4).map(labels).collect::<Vec<_>>(),
+            [
+                ["base", "test"],
+                ["test", "base"],
+                ["base", "test"],
+                ["test", "base"]
+            ]
+        );
+        assert_eq!(round_order(1, &test, None).len(), 1);
     }
 
     #[test]

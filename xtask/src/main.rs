@@ -9,7 +9,9 @@
 //! - `bench ingest [--workers N] [--batches N] [...]`: KV events streamed from N ZMQ
 //!   publishers (a separate process) into the release server: applied blocks/s, server CPU
 //!   per million blocks, `/select` latency during the stream, fleet figures; every batch is
-//!   checked as applied. `ci` runs a small configuration against the debug server.
+//!   checked as applied. `--baseline BIN` / `--baseline-arg=...` alternate it with another
+//!   build or setting (ABBA) and print both medians and their ratios; a stall probe of the
+//!   machine precedes each run. `ci` runs a small configuration against the debug server.
 //! - `instructions [--only W/N] [--cache-sim]`: instructions per `select_and_reserve` +
 //!   `free` cycle counted by callgrind, over the service bench's matrix (needs valgrind;
 //!   docs/hot-path.md).
