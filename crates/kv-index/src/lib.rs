@@ -107,7 +107,9 @@
 //!   piece's apply time (~13 µs at 10 M blocks/s) plus scheduling. The listeners' batches
 //!   ([`apply_batch_fairly`]) go in sections of 32 blocks, and a lookup that finds one
 //!   running waits for its end at a [`ReadGate`]: asleep, where parking_lot's reader would
-//!   yield its core (gate.rs).
+//!   yield its core. A gate made [`ReadGate::with_step_aside`] has a writer that has run
+//!   that long release the lock at the next section boundary and yield its core, so the
+//!   scheduler switches a busy listener out where no lookup waits behind it (gate.rs).
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench
