@@ -8,7 +8,7 @@
 
 use anyhow::{Context, Result};
 
-/// The crates whose `tests/it/loom.rs` holds loom models.
+/// The crates whose `tests/it/loom*.rs` hold loom models.
 const CRATES: [&str; 3] = ["kv-index", "load-accounting", "service-builder"];
 
 pub(crate) fn main(rest: &[String]) -> Result<()> {
