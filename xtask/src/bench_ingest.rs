@@ -30,7 +30,7 @@ use serde_json::json;
 
 use crate::bench_http::{PerfRecorder, ServerProcess, call, connect, send};
 use crate::bench_wrk::median;
-use crate::flood::{gauge, metrics, proc_status, register};
+use crate::flood::{gauge, metrics, proc_status, register_with_capacity};
 use crate::ingest_workload::{
     BLOCK_SIZE, PREFIX_BLOCKS, Parent, SHARED_PREFIXES, Workload, prefix_tokens,
 };
@@ -56,6 +56,12 @@ struct Args {
     /// Fraction of the events whose chain hangs below a prefix every worker holds.
     #[arg(long, default_value_t = 1.0 / 3.0)]
     shared: f64,
+    /// Blocks each worker declares it holds (`total_kv_blocks`). Below what it stores, the
+    /// index evicts its oldest blocks as new ones come, so the stream runs at a steady
+    /// index size (engines that are full) instead of growing it [default: 1000000, four
+    /// times what the default workload stores per worker].
+    #[arg(long, value_name = "BLOCKS")]
+    capacity_blocks: Option<u64>,
     /// Microseconds between two `/select` requests during the stream.
     #[arg(long, default_value_t = 1000)]
     select_interval_us: u64,
@@ -104,6 +110,7 @@ impl Args {
             events: self.events,
             blocks: self.blocks,
             shared: self.shared,
+            capacity: self.capacity_blocks,
         }
     }
 }
@@ -214,6 +221,7 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         events: 8,
         blocks: 4,
         shared: 1.0 / 3.0,
+        capacity: None,
     };
     let binary = root.join("target/debug/select-server");
     ensure!(
@@ -221,13 +229,23 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         "{} is missing (cargo test --workspace builds it)",
         binary.display()
     );
-    let started = Instant::now();
-    let run = run_once(&workload, &binary, &[], 5_000, None, 0)?;
-    eprintln!(
-        "xtask: bench ingest smoke test passed in {:.1?} ({})",
-        started.elapsed(),
-        run.summary()
-    );
+    // Growing the index, then at its capacity: each worker stores 416 blocks and holds
+    // 160, the prefixes and four batches, so the index evicts 256 per worker.
+    for capacity in [None, Some(160)] {
+        let workload = Workload {
+            capacity,
+            ..workload
+        };
+        workload.validate()?;
+        let started = Instant::now();
+        let run = run_once(&workload, &binary, &[], 5_000, None, 0)?;
+        eprintln!(
+            "xtask: bench ingest smoke test (capacity {}) passed in {:.1?} ({})",
+            workload.declared_capacity(),
+            started.elapsed(),
+            run.summary()
+        );
+    }
     Ok(())
 }
 
@@ -532,7 +550,8 @@ async fn drive(
     let kv: Arc<dyn Fn(u64) -> String + Send + Sync> =
         Arc::new(move |id| endpoints[id as usize].clone());
     let registered = Instant::now();
-    register(server.addr, 4, w.workers, Some(kv)).await?;
+    let capacity = w.declared_capacity();
+    register_with_capacity(server.addr, 4, w.workers, Some(kv), capacity).await?;
     let registration = registered.elapsed();
     let mut conn = connect(server.addr).await?;
     let (status, body) = call(&mut conn, Method::GET, "/ready", Bytes::new()).await?;
@@ -684,12 +703,28 @@ async fn verify(w: &Workload, conn: &mut crate::bench_http::Sender) -> Result<()
     );
     let nodes = gauge(&text, "kv_select_index_blocks");
     let memberships = labelled(&text, "kv_select_index_memberships", &["tier=\"device\""]);
-    ensure!(
-        nodes == w.nodes() && memberships == w.memberships(),
-        "the index holds {nodes} blocks and {memberships} memberships, expected {} and {}",
-        w.nodes(),
-        w.memberships()
-    );
+    let evicted = gauge(&text, "kv_select_index_capacity_evictions_total");
+    if w.evictions() == 0 {
+        ensure!(
+            nodes == w.nodes() && memberships == w.memberships() && evicted == 0,
+            "the index holds {nodes} blocks and {memberships} memberships after {evicted} \
+             evictions, expected {} and {} and none",
+            w.nodes(),
+            w.memberships()
+        );
+    } else {
+        // Which blocks a capacity keeps depends on the order of the stores, so the node
+        // count is known only to lie between one worker's and every worker's.
+        ensure!(
+            memberships == w.memberships()
+                && evicted == w.evictions()
+                && (memberships / w.workers..=memberships).contains(&nodes),
+            "the index holds {nodes} blocks and {memberships} memberships after {evicted} \
+             evictions, expected {} memberships and {} evictions",
+            w.memberships(),
+            w.evictions()
+        );
+    }
     // Probes: the last root chain and the last chain below a prefix of up to 32 workers.
     let step = w.workers.div_ceil(32).max(1);
     let events = w.batches * w.events;

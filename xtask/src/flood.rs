@@ -311,12 +311,23 @@ pub(crate) async fn register(
     n: u64,
     kv: Option<Arc<dyn Fn(u64) -> String + Send + Sync>>,
 ) -> Result<Tally> {
+    register_with_capacity(addr, connections, n, kv, 1_000_000).await
+}
+
+/// [`register`] with each worker declaring `total_kv_blocks`.
+pub(crate) async fn register_with_capacity(
+    addr: SocketAddr,
+    connections: usize,
+    n: u64,
+    kv: Option<Arc<dyn Fn(u64) -> String + Send + Sync>>,
+    total_kv_blocks: u64,
+) -> Result<Tally> {
     let make: Arc<BodyFn> = Arc::new(move |id| {
         let mut w = json!({
             "worker_id": id,
             "endpoint": format!("http://127.0.0.1:1/w{id}"),
             "block_size": 16,
-            "total_kv_blocks": 1_000_000,
+            "total_kv_blocks": total_kv_blocks,
             "max_num_batched_tokens": 1_000_000,
         });
         if let Some(kv) = &kv {

@@ -37,7 +37,16 @@ pub(crate) struct Workload {
     pub(crate) blocks: u64,
     /// Fraction of the events whose chain hangs below a shared prefix.
     pub(crate) shared: f64,
+    /// Blocks each worker declares it can hold (`total_kv_blocks`; `None`:
+    /// [`DEFAULT_CAPACITY`]). Below what a worker stores, the index evicts its oldest
+    /// blocks as new ones come (#24 item 4), so the stream runs at a steady index size, as
+    /// against a server whose engines are full, instead of growing it.
+    pub(crate) capacity: Option<u64>,
 }
+
+/// `total_kv_blocks` each worker declares without `--capacity-blocks`: four times what the
+/// default workload stores per worker.
+pub(crate) const DEFAULT_CAPACITY: u64 = 1_000_000;
 
 /// Where one event's chain starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,7 +70,19 @@ impl Workload {
             self.workers < 1 << 20 && self.batches * self.events * self.blocks < 1 << 36,
             "the workload is too large for the bench's hash layout"
         );
+        // The probes look up each worker's last chains below a prefix and from the root:
+        // the prefixes and a few batches must fit.
+        let least = SHARED_PREFIXES * PREFIX_BLOCKS + 4 * self.events * self.blocks;
+        ensure!(
+            self.declared_capacity() >= least,
+            "--capacity-blocks must be at least {least} (the shared prefixes and four batches)"
+        );
         Ok(())
+    }
+
+    /// The `total_kv_blocks` each worker declares.
+    pub(crate) fn declared_capacity(&self) -> u64 {
+        self.capacity.unwrap_or(DEFAULT_CAPACITY)
     }
 
     /// Blocks the workload batches store (the prefix batch not included).
@@ -69,12 +90,23 @@ impl Workload {
         self.workers * self.batches * self.events * self.blocks
     }
 
-    /// Device memberships once everything is applied.
-    pub(crate) fn memberships(&self) -> u64 {
-        self.workers * (SHARED_PREFIXES * PREFIX_BLOCKS + self.batches * self.events * self.blocks)
+    /// Device blocks each worker stores over the run.
+    pub(crate) fn stored_per_worker(&self) -> u64 {
+        SHARED_PREFIXES * PREFIX_BLOCKS + self.batches * self.events * self.blocks
     }
 
-    /// Distinct device blocks (trie nodes) once everything is applied.
+    /// Device memberships once everything is applied: what each worker stored, or its
+    /// capacity if that is less.
+    pub(crate) fn memberships(&self) -> u64 {
+        self.workers * self.stored_per_worker().min(self.declared_capacity())
+    }
+
+    /// Blocks the index evicts for the workers' capacities.
+    pub(crate) fn evictions(&self) -> u64 {
+        self.workers * self.stored_per_worker() - self.memberships()
+    }
+
+    /// Distinct device blocks (trie nodes) once everything is applied without evictions.
     pub(crate) fn nodes(&self) -> u64 {
         SHARED_PREFIXES * PREFIX_BLOCKS + self.stream_blocks()
     }
@@ -295,6 +327,7 @@ mod tests {
             events: 6,
             blocks: 4,
             shared: 1.0 / 3.0,
+            capacity: None,
         }
     }
 
@@ -352,5 +385,47 @@ mod tests {
         assert!(Workload { workers: 0, ..w }.validate().is_err());
         assert!(Workload { shared: 1.5, ..w }.validate().is_err());
         assert_ne!(w.token(0, 0, 0, 0), w.token(1, 0, 0, 0));
+        assert_eq!(w.evictions(), 0);
+    }
+
+    #[test]
+    fn a_capacity_below_the_stored_blocks_keeps_it_per_worker_and_evicts_the_rest() {
+        let w = small();
+        assert_eq!(w.stored_per_worker(), 32 + 72);
+        // The prefixes and four batches of 6 events of 4 blocks: 32 + 96.
+        let at_least = Workload {
+            capacity: Some(128),
+            ..w
+        };
+        assert!(at_least.validate().is_ok());
+        assert_eq!(
+            at_least.memberships(),
+            2 * 104,
+            "a capacity above what is stored"
+        );
+        assert_eq!(at_least.evictions(), 0);
+        let big = Workload {
+            blocks: 8,
+            capacity: Some(32 + 4 * 6 * 8),
+            ..w
+        };
+        assert!(big.validate().is_ok());
+        assert_eq!(big.stored_per_worker(), 32 + 3 * 6 * 8);
+        assert_eq!(big.memberships(), 2 * (32 + 3 * 6 * 8));
+        let bound = Workload {
+            batches: 10,
+            capacity: Some(128),
+            ..w
+        };
+        assert_eq!(bound.memberships(), 2 * 128);
+        assert_eq!(bound.evictions(), 2 * (32 + 10 * 6 * 4 - 128));
+        assert!(
+            Workload {
+                capacity: Some(127),
+                ..w
+            }
+            .validate()
+            .is_err()
+        );
     }
 }
