@@ -62,6 +62,11 @@ struct Args {
     /// times what the default workload stores per worker].
     #[arg(long, value_name = "BLOCKS")]
     capacity_blocks: Option<u64>,
+    /// Workload events each worker keeps: the batch that stores an event also removes the
+    /// one this many events older (`BlockRemoved`), as engines that evict their oldest
+    /// blocks report them, so the index runs at a steady size through removal events.
+    #[arg(long, value_name = "EVENTS")]
+    retain_events: Option<u64>,
     /// Microseconds between two `/select` requests during the stream.
     #[arg(long, default_value_t = 1000)]
     select_interval_us: u64,
@@ -111,6 +116,7 @@ impl Args {
             blocks: self.blocks,
             shared: self.shared,
             capacity: self.capacity_blocks,
+            retain: self.retain_events,
         }
     }
 }
@@ -222,6 +228,7 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         blocks: 4,
         shared: 1.0 / 3.0,
         capacity: None,
+        retain: None,
     };
     let binary = root.join("target/debug/select-server");
     ensure!(
@@ -229,19 +236,22 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         "{} is missing (cargo test --workspace builds it)",
         binary.display()
     );
-    // Growing the index, then at its capacity: each worker stores 416 blocks and holds
-    // 160, the prefixes and four batches, so the index evicts 256 per worker.
-    for capacity in [None, Some(160)] {
+    // Growing the index; at its capacity (each worker stores 416 blocks and holds 160,
+    // the prefixes and four batches, so the index evicts 256 per worker); and at a steady
+    // size through removals (each worker keeps its last 16 of 96 events).
+    for (capacity, retain) in [(None, None), (Some(160), None), (None, Some(16))] {
         let workload = Workload {
             capacity,
+            retain,
             ..workload
         };
         workload.validate()?;
         let started = Instant::now();
         let run = run_once(&workload, &binary, &[], 5_000, None, 0)?;
         eprintln!(
-            "xtask: bench ingest smoke test (capacity {}) passed in {:.1?} ({})",
+            "xtask: bench ingest smoke test (capacity {}, {} removals) passed in {:.1?} ({})",
             workload.declared_capacity(),
+            workload.removed_events(),
             started.elapsed(),
             run.summary()
         );
@@ -441,6 +451,11 @@ struct Publisher {
 impl Publisher {
     fn start(w: &Workload) -> Result<Self> {
         let exe = std::env::current_exe().context("cannot locate the running xtask")?;
+        // The workload as the publisher needs it: what it sends (not the capacity).
+        let retain = w
+            .retain
+            .map(|r| vec!["--retain-events".to_owned(), r.to_string()])
+            .unwrap_or_default();
         let mut child = Command::new(exe)
             .args(["bench", "ingest", "--publish"])
             .args(["--workers", &w.workers.to_string()])
@@ -448,6 +463,7 @@ impl Publisher {
             .args(["--events", &w.events.to_string()])
             .args(["--blocks", &w.blocks.to_string()])
             .args(["--shared", &w.shared.to_string()])
+            .args(retain)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -700,6 +716,21 @@ async fn verify(w: &Workload, conn: &mut crate::bench_http::Sender) -> Result<()
         stored == w.stored_events() && rejected == 0,
         "{stored} stored events applied (expected {}), {rejected} rejected for a missing parent",
         w.stored_events()
+    );
+    let removed = labelled(
+        &text,
+        "kv_select_index_events_total",
+        &["event_type=\"removed\"", "status=\"ok\""],
+    );
+    let missing = labelled(
+        &text,
+        "kv_select_index_events_total",
+        &["event_type=\"removed\"", "status=\"block_not_found\""],
+    );
+    ensure!(
+        removed == w.removed_events() && missing == 0,
+        "{removed} removed events applied (expected {}), {missing} with blocks not found",
+        w.removed_events()
     );
     let nodes = gauge(&text, "kv_select_index_blocks");
     let memberships = labelled(&text, "kv_select_index_memberships", &["tier=\"device\""]);

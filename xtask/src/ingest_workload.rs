@@ -42,6 +42,11 @@ pub(crate) struct Workload {
     /// blocks as new ones come (#24 item 4), so the stream runs at a steady index size, as
     /// against a server whose engines are full, instead of growing it.
     pub(crate) capacity: Option<u64>,
+    /// Workload events each worker keeps (`None`: all): the batch that stores event `g`
+    /// also removes event `g - retain` (one `BlockRemoved` of its blocks, leaf first), as
+    /// an engine that evicts its oldest blocks reports them, so the index stays at a steady
+    /// size through removal events.
+    pub(crate) retain: Option<u64>,
 }
 
 /// `total_kv_blocks` each worker declares without `--capacity-blocks`: four times what the
@@ -70,6 +75,19 @@ impl Workload {
             self.workers < 1 << 20 && self.batches * self.events * self.blocks < 1 << 36,
             "the workload is too large for the bench's hash layout"
         );
+        if let Some(r) = self.retain {
+            // The probes look up each worker's last chains below a prefix and from the
+            // root, which lie in its last batch.
+            ensure!(
+                r >= self.events,
+                "--retain-events must be at least --events ({})",
+                self.events
+            );
+            ensure!(
+                self.capacity.is_none(),
+                "--retain-events and --capacity-blocks do not combine"
+            );
+        }
         // The probes look up each worker's last chains below a prefix and from the root:
         // the prefixes and a few batches must fit.
         let least = SHARED_PREFIXES * PREFIX_BLOCKS + 4 * self.events * self.blocks;
@@ -90,25 +108,46 @@ impl Workload {
         self.workers * self.batches * self.events * self.blocks
     }
 
-    /// Device blocks each worker stores over the run.
-    pub(crate) fn stored_per_worker(&self) -> u64 {
-        SHARED_PREFIXES * PREFIX_BLOCKS + self.batches * self.events * self.blocks
+    /// Workload events per worker.
+    fn events_per_worker(&self) -> u64 {
+        self.batches * self.events
     }
 
-    /// Device memberships once everything is applied: what each worker stored, or its
+    /// Workload events each worker still holds at the end (the rest it removed).
+    fn kept_events(&self) -> u64 {
+        let all = self.events_per_worker();
+        self.retain.map_or(all, |r| r.min(all))
+    }
+
+    /// The event whose blocks the batch storing workload event `g` removes, if any.
+    pub(crate) fn removed_with(&self, g: u64) -> Option<u64> {
+        self.retain.and_then(|r| g.checked_sub(r))
+    }
+
+    /// `BlockRemoved` events the workload sends.
+    pub(crate) fn removed_events(&self) -> u64 {
+        self.workers * (self.events_per_worker() - self.kept_events())
+    }
+
+    /// Device blocks each worker holds once everything is applied, before its capacity.
+    pub(crate) fn held_per_worker(&self) -> u64 {
+        SHARED_PREFIXES * PREFIX_BLOCKS + self.kept_events() * self.blocks
+    }
+
+    /// Device memberships once everything is applied: what each worker holds, or its
     /// capacity if that is less.
     pub(crate) fn memberships(&self) -> u64 {
-        self.workers * self.stored_per_worker().min(self.declared_capacity())
+        self.workers * self.held_per_worker().min(self.declared_capacity())
     }
 
     /// Blocks the index evicts for the workers' capacities.
     pub(crate) fn evictions(&self) -> u64 {
-        self.workers * self.stored_per_worker() - self.memberships()
+        self.workers * self.held_per_worker() - self.memberships()
     }
 
     /// Distinct device blocks (trie nodes) once everything is applied without evictions.
     pub(crate) fn nodes(&self) -> u64 {
-        SHARED_PREFIXES * PREFIX_BLOCKS + self.stream_blocks()
+        SHARED_PREFIXES * PREFIX_BLOCKS + self.workers * self.kept_events() * self.blocks
     }
 
     /// Stored events the index accepts: the prefixes and every workload event.
@@ -163,10 +202,13 @@ impl Workload {
             }
         } else {
             let j = seq - 2;
-            begin_batch(&mut out, self.events)?;
+            let first = j * self.events;
+            let removals = (first..first + self.events)
+                .filter(|&g| self.removed_with(g).is_some())
+                .count() as u64;
+            begin_batch(&mut out, self.events + removals)?;
             let mut hashes = Vec::with_capacity(self.blocks as usize);
-            for e in 0..self.events {
-                let g = j * self.events + e;
+            for g in first..first + self.events {
                 hashes.clear();
                 hashes.extend((0..self.blocks).map(|b| self.block_hash(w, g, b)));
                 let parent = match self.parent(g) {
@@ -174,6 +216,11 @@ impl Workload {
                     Parent::Prefix(p) => Some(prefix_hash(p, PREFIX_BLOCKS - 1)),
                 };
                 write_stored(&mut out, &hashes, parent, &self.event_tokens(w, g))?;
+                if let Some(old) = self.removed_with(g) {
+                    hashes.clear();
+                    hashes.extend((0..self.blocks).rev().map(|b| self.block_hash(w, old, b)));
+                    write_removed(&mut out, &hashes)?;
+                }
             }
         }
         rmp::encode::write_nil(&mut out)?;
@@ -235,6 +282,18 @@ fn write_stored(
         write_uint(out, u64::from(t))?;
     }
     write_uint(out, BLOCK_SIZE)?;
+    Ok(())
+}
+
+/// `["BlockRemoved", hashes]`, vLLM's positional form without a medium.
+fn write_removed(out: &mut Vec<u8>, hashes: &[u64]) -> Result<()> {
+    use rmp::encode::{write_array_len, write_str, write_uint};
+    write_array_len(out, 2)?;
+    write_str(out, "BlockRemoved")?;
+    write_array_len(out, u32::try_from(hashes.len()).context("array too long")?)?;
+    for &h in hashes {
+        write_uint(out, h)?;
+    }
     Ok(())
 }
 
@@ -328,6 +387,7 @@ mod tests {
             blocks: 4,
             shared: 1.0 / 3.0,
             capacity: None,
+            retain: None,
         }
     }
 
@@ -391,7 +451,7 @@ mod tests {
     #[test]
     fn a_capacity_below_the_stored_blocks_keeps_it_per_worker_and_evicts_the_rest() {
         let w = small();
-        assert_eq!(w.stored_per_worker(), 32 + 72);
+        assert_eq!(w.held_per_worker(), 32 + 72);
         // The prefixes and four batches of 6 events of 4 blocks: 32 + 96.
         let at_least = Workload {
             capacity: Some(128),
@@ -410,7 +470,7 @@ mod tests {
             ..w
         };
         assert!(big.validate().is_ok());
-        assert_eq!(big.stored_per_worker(), 32 + 3 * 6 * 8);
+        assert_eq!(big.held_per_worker(), 32 + 3 * 6 * 8);
         assert_eq!(big.memberships(), 2 * (32 + 3 * 6 * 8));
         let bound = Workload {
             batches: 10,
@@ -427,5 +487,55 @@ mod tests {
             .validate()
             .is_err()
         );
+    }
+
+    #[test]
+    fn retained_events_remove_the_older_ones_in_the_batch_that_stores_past_them() {
+        let w = Workload {
+            retain: Some(8),
+            ..small()
+        };
+        assert!(w.validate().is_ok());
+        // 18 events per worker, 8 kept: events 0..10 removed, each with event g + 8.
+        assert_eq!((w.removed_with(7), w.removed_with(8)), (None, Some(0)));
+        assert_eq!(w.removed_events(), 2 * 10);
+        assert_eq!(w.memberships(), 2 * (32 + 8 * 4));
+        assert_eq!(w.nodes(), 32 + 2 * 8 * 4);
+        assert_eq!(w.evictions(), 0);
+        // Seq 3 (workload batch 1, events 6..12) stores 6 and removes 4 (events 0..4).
+        let b: rmpv::Value = rmpv::decode::read_value(&mut &w.batch(1, 3).unwrap()[..]).unwrap();
+        let events = b[1].as_array().unwrap();
+        assert_eq!(events.len(), 10);
+        let tags: Vec<&str> = events.iter().map(|e| e[0].as_str().unwrap()).collect();
+        assert_eq!(
+            &tags[..5],
+            [
+                "BlockStored",
+                "BlockStored",
+                "BlockStored",
+                "BlockRemoved",
+                "BlockStored"
+            ]
+        );
+        // Event 8's entry is followed by the removal of event 0, leaf first.
+        let removed: Vec<u64> = events[3][1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
+        let want: Vec<u64> = (0..4).rev().map(|b| w.block_hash(1, 0, b)).collect();
+        assert_eq!(removed, want);
+        let short = Workload {
+            retain: Some(5),
+            ..small()
+        };
+        assert!(short.validate().is_err());
+        let both = Workload {
+            retain: Some(8),
+            capacity: Some(1_000),
+            ..small()
+        };
+        assert!(both.validate().is_err());
     }
 }
