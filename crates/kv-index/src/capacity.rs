@@ -21,6 +21,16 @@
 //! capacity (its removals arrive again), so only a worker that is losing removals pays a
 //! hash update per block.
 //!
+//! # Stale ids
+//! A block the worker loses stays in the gain order until it reaches the front or the order
+//! is compacted. Its node may be freed and taken at once by another block (the trie reuses
+//! freed nodes first), even one of this worker, so an id alone cannot say whether the
+//! block is still held: each entry carries a tag of its block beside the node id (the low
+//! half of the node's engine hash), and an entry whose node has another tag is stale. The
+//! front loses its stale entries a few per store ([`Capacity::trim_front`]), which keeps a
+//! worker whose engine removes its oldest blocks, the usual case, at about one entry per
+//! held block without compacting, so no store pauses the index for a whole compaction.
+//!
 //! # Order
 //! Candidates come from the front of the gain order (oldest first). A candidate that still
 //! has a child of this worker is put on a stack and retried before the next candidate, so
@@ -31,16 +41,42 @@ use std::collections::VecDeque;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+/// One gained block: its node id in the low half, its tag (the low half of the node's
+/// engine hash) in the high half.
+pub(crate) type Entry = u64;
+
+/// The entry of `node` holding the block tagged `tag`.
+#[inline]
+pub(crate) fn entry(node: u32, tag: u32) -> Entry {
+    (u64::from(tag) << 32) | u64::from(node)
+}
+
+/// The node of an entry.
+#[inline]
+pub(crate) fn node_of(e: Entry) -> u32 {
+    e as u32
+}
+
+/// The tag of an entry.
+#[inline]
+pub(crate) fn tag_of(e: Entry) -> u32 {
+    (e >> 32) as u32
+}
+
+/// Stale entries [`Capacity::trim_front`] drops at most per call.
+const TRIM_PER_CALL: usize = 16;
+
 /// Gain order, held candidates and (while evicting) child counts of one worker key.
 #[derive(Debug, Clone)]
 pub(crate) struct Capacity {
     limit: u32,
-    /// Node ids in the order the worker gained them. May hold ids of blocks it no longer
-    /// holds (skipped when met) and, after a block was lost and gained again, an id twice.
-    order: VecDeque<u32>,
+    /// Entries in the order the worker gained them. May hold entries of blocks it no
+    /// longer holds (skipped when met) and, after a block was lost and gained again, an
+    /// entry twice.
+    order: VecDeque<Entry>,
     /// Candidates taken from `order` that had a child of this worker when met; retried
     /// from the top.
-    held: Vec<u32>,
+    held: Vec<Entry>,
     /// Per node, the number of its children this worker holds (absent = 0). `Some` only
     /// while the worker evicts; exact whenever `Some`.
     kids: Option<FxHashMap<u32, u32>>,
@@ -68,10 +104,10 @@ impl Capacity {
         self.limit = limit;
     }
 
-    /// The worker gained `node`, a child of `parent`.
+    /// The worker gained `node` (holding the block tagged `tag`), a child of `parent`.
     #[inline]
-    pub(crate) fn gained(&mut self, node: u32, parent: u32) {
-        self.order.push_back(node);
+    pub(crate) fn gained(&mut self, node: u32, tag: u32, parent: u32) {
+        self.order.push_back(entry(node, tag));
         if let Some(kids) = &mut self.kids {
             *kids.entry(parent).or_insert(0) += 1;
         }
@@ -106,10 +142,26 @@ impl Capacity {
         }
     }
 
-    /// Compacts the gain order when stale ids outnumber the held blocks (`held`): keeps the
-    /// ids of nodes that `holds`, in order, and only the first of repeated ones. Amortized
-    /// O(1) per gain.
-    pub(crate) fn maybe_compact(&mut self, held: u32, holds: impl Fn(u32) -> bool) {
+    /// Drops stale entries from the front of the gain order, at most [`TRIM_PER_CALL`],
+    /// while it holds more entries than the worker holds blocks (`held`).
+    pub(crate) fn trim_front(&mut self, held: u32, holds: impl Fn(Entry) -> bool) {
+        for _ in 0..TRIM_PER_CALL {
+            if self.order.len() + self.held.len() <= held as usize {
+                return;
+            }
+            match self.order.front() {
+                Some(&e) if !holds(e) => {
+                    self.order.pop_front();
+                }
+                _ => return,
+            }
+        }
+    }
+
+    /// Compacts the gain order when stale entries outnumber the held blocks (`held`):
+    /// keeps the entries that `holds`, in order, and only the first of repeated ones.
+    /// Amortized O(1) per gain.
+    pub(crate) fn maybe_compact(&mut self, held: u32, holds: impl Fn(Entry) -> bool) {
         if self.order.len() + self.held.len() <= 2 * held as usize + SLACK {
             return;
         }
@@ -131,19 +183,20 @@ impl Capacity {
         self.kids = None;
     }
 
-    /// The next block to evict: the oldest candidate without a child of this worker.
-    /// `holds(node)` says whether the worker still holds a node, `parent(node)` gives its
-    /// parent. `None` only when the worker holds nothing this bookkeeping knows of.
+    /// The node of the next block to evict: the oldest candidate without a child of this
+    /// worker. `holds(entry)` says whether the worker still holds the entry's block,
+    /// `parent(node)` gives a node's parent. `None` only when the worker holds nothing
+    /// this bookkeeping knows of.
     pub(crate) fn victim(
         &mut self,
-        holds: impl Fn(u32) -> bool,
+        holds: impl Fn(Entry) -> bool,
         parent: impl Fn(u32) -> u32,
     ) -> Option<u32> {
         if self.kids.is_none() {
             self.count_kids(&holds, &parent);
         }
         let kids = self.kids.as_ref()?;
-        let leaf = |n: u32| !kids.contains_key(&n);
+        let leaf = |e: Entry| !kids.contains_key(&node_of(e));
         loop {
             if let Some(&top) = self.held.last() {
                 if !holds(top) {
@@ -152,32 +205,32 @@ impl Capacity {
                 }
                 if leaf(top) {
                     self.held.pop();
-                    return Some(top);
+                    return Some(node_of(top));
                 }
             }
             match self.order.pop_front() {
-                Some(n) if !holds(n) => {}
-                Some(n) if leaf(n) => return Some(n),
-                Some(n) => self.held.push(n),
+                Some(e) if !holds(e) => {}
+                Some(e) if leaf(e) => return Some(node_of(e)),
+                Some(e) => self.held.push(e),
                 None => break,
             }
         }
         // Every candidate is held and the top one still has a child: the child was gained
         // earlier than its parent (the parent was lost and gained again). Any held leaf
         // will do; the deepest-held candidates are the youngest.
-        self.held.retain(|&n| holds(n));
-        let i = self.held.iter().rposition(|&n| leaf(n))?;
-        Some(self.held.remove(i))
+        self.held.retain(|&e| holds(e));
+        let i = self.held.iter().rposition(|&e| leaf(e))?;
+        Some(node_of(self.held.remove(i)))
     }
 
-    /// Builds the child counts from the gain order, dropping stale and repeated ids.
-    fn count_kids(&mut self, holds: &impl Fn(u32) -> bool, parent: &impl Fn(u32) -> u32) {
+    /// Builds the child counts from the gain order, dropping stale and repeated entries.
+    fn count_kids(&mut self, holds: &impl Fn(Entry) -> bool, parent: &impl Fn(u32) -> u32) {
         let mut seen = FxHashSet::default();
-        self.held.retain(|&n| holds(n) && seen.insert(n));
-        self.order.retain(|&n| holds(n) && seen.insert(n));
+        self.held.retain(|&e| holds(e) && seen.insert(e));
+        self.order.retain(|&e| holds(e) && seen.insert(e));
         let mut kids = FxHashMap::default();
-        for &n in self.held.iter().chain(&self.order) {
-            *kids.entry(parent(n)).or_insert(0) += 1;
+        for &e in self.held.iter().chain(&self.order) {
+            *kids.entry(parent(node_of(e))).or_insert(0) += 1;
         }
         self.kids = Some(kids);
     }
@@ -190,8 +243,8 @@ impl Capacity {
 
     /// Bytes allocated by this bookkeeping.
     pub(crate) fn allocated_bytes(&self) -> usize {
-        self.order.capacity() * std::mem::size_of::<u32>()
-            + self.held.capacity() * std::mem::size_of::<u32>()
+        self.order.capacity() * std::mem::size_of::<Entry>()
+            + self.held.capacity() * std::mem::size_of::<Entry>()
             + self.kids.as_ref().map_or(0, |k| {
                 k.capacity() * (std::mem::size_of::<(u32, u32)>() + 1)
             })
@@ -214,7 +267,8 @@ mod tests {
             let mut out = Vec::new();
             loop {
                 let (held, parent) = (&self.held, &self.parent);
-                let Some(v) = cap.victim(|n| held[n as usize], |n| parent[n as usize]) else {
+                let Some(v) = cap.victim(|e| held[node_of(e) as usize], |n| parent[n as usize])
+                else {
                     break;
                 };
                 assert!(self.held[v as usize], "evicted {v} twice");
@@ -238,7 +292,7 @@ mod tests {
         };
         let mut cap = Capacity::new(2);
         for n in 1..=6 {
-            cap.gained(n, tree.parent[n as usize]);
+            cap.gained(n, 0, tree.parent[n as usize]);
         }
         // 3 (the leaf of the oldest chain), then 2 waits for 6, which is younger than 4-5.
         assert_eq!(tree.drain(&mut cap), [3, 5, 4, 6, 2, 1]);
@@ -252,10 +306,10 @@ mod tests {
         };
         let mut cap = Capacity::new(1);
         for _ in 0..100 {
-            cap.gained(1, 0);
-            cap.gained(2, 1);
+            cap.gained(1, 0, 0);
+            cap.gained(2, 0, 1);
         }
-        cap.maybe_compact(2, |n| tree.held[n as usize]);
+        cap.maybe_compact(2, |e| tree.held[node_of(e) as usize]);
         assert_eq!(cap.order.len(), 2);
         assert_eq!(tree.drain(&mut cap), [2, 1]);
     }
@@ -268,8 +322,8 @@ mod tests {
             held: vec![false, true, true],
         };
         let mut cap = Capacity::new(1);
-        cap.gained(2, 1);
-        cap.gained(1, 0);
+        cap.gained(2, 0, 1);
+        cap.gained(1, 0, 0);
         assert_eq!(tree.drain(&mut cap), [2, 1]);
     }
 
@@ -277,10 +331,10 @@ mod tests {
     fn counts_are_dropped_well_below_the_limit() {
         let mut cap = Capacity::new(4);
         let held = [false, true, true];
-        cap.gained(1, 0);
-        cap.gained(2, 1);
+        cap.gained(1, 0, 0);
+        cap.gained(2, 0, 1);
         assert_eq!(
-            cap.victim(|n| held[n as usize], |n| n.saturating_sub(1)),
+            cap.victim(|e| held[node_of(e) as usize], |n| n.saturating_sub(1)),
             Some(2)
         );
         assert!(cap.counting());
@@ -288,5 +342,45 @@ mod tests {
         assert!(cap.counting());
         cap.relax(3);
         assert!(!cap.counting());
+    }
+
+    #[test]
+    fn a_reused_node_is_not_its_old_block_and_the_front_loses_stale_entries() {
+        // Node 1 held block A (tag 7), was lost and freed, and now holds block B (tag 9),
+        // gained after node 2: 2 is the oldest block held.
+        let tags = [0u32, 9, 5];
+        let held = [false, true, true];
+        let holds = |e: Entry| held[node_of(e) as usize] && tags[node_of(e) as usize] == tag_of(e);
+        let mut cap = Capacity::new(1);
+        cap.gained(1, 7, 0);
+        cap.gained(2, 5, 0);
+        cap.gained(1, 9, 0);
+        cap.trim_front(2, holds);
+        assert_eq!(
+            cap.order.len(),
+            2,
+            "the stale entry of block A left the front"
+        );
+        assert_eq!(cap.victim(holds, |_| 0), Some(2));
+        // Trimming stops at a live entry and at as many entries as held blocks.
+        let mut cap = Capacity::new(1);
+        cap.gained(2, 5, 0);
+        cap.gained(1, 7, 0);
+        cap.gained(1, 9, 0);
+        cap.trim_front(2, holds);
+        assert_eq!(cap.order.len(), 3, "a live entry at the front stops it");
+        let mut cap = Capacity::new(1);
+        for _ in 0..(2 * TRIM_PER_CALL) {
+            cap.gained(1, 7, 0);
+        }
+        cap.gained(2, 5, 0);
+        cap.trim_front(1, holds);
+        assert_eq!(
+            cap.order.len(),
+            TRIM_PER_CALL + 1,
+            "at most TRIM_PER_CALL a call"
+        );
+        cap.trim_front(1, holds);
+        assert_eq!(cap.order.len(), 1);
     }
 }

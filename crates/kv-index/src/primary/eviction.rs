@@ -3,9 +3,20 @@
 
 use kv_types::WorkerKey;
 
+use super::node::Node;
 use super::node::{Memo, NONE};
 use super::trie::PrefixIndex;
-use crate::capacity::Capacity;
+use crate::capacity::{Capacity, Entry, node_of, tag_of};
+
+/// Whether `slot` still holds the block of gain-order entry `e`: its node is live, held by
+/// `slot`, and still the block the entry was made for (a freed node taken by another block
+/// has another engine hash).
+#[inline]
+fn holds_entry(nodes: &[Node], slot: u32, e: Entry) -> bool {
+    nodes.get(node_of(e) as usize).is_some_and(|x| {
+        x.parent != NONE && x.external as u32 == tag_of(e) && x.owners.contains(slot)
+    })
+}
 
 impl PrefixIndex {
     /// Declares (`Some`) or withdraws (`None`) the capacity of `worker` in blocks: from now
@@ -53,7 +64,8 @@ impl PrefixIndex {
                 }
                 let mut cap = Capacity::new(limit);
                 for n in held {
-                    cap.gained(n, nodes[n as usize].parent);
+                    let node = &nodes[n as usize];
+                    cap.gained(n, node.external as u32, node.parent);
                 }
                 state.cap = Some(cap);
             }
@@ -87,17 +99,14 @@ impl PrefixIndex {
     /// Also compacts its gain order (the only place it grows is a store, which ends here).
     pub(super) fn enforce_capacity(&mut self, slot: u32) -> u32 {
         let nodes = &self.nodes;
-        let holds = |n: u32| {
-            nodes
-                .get(n as usize)
-                .is_some_and(|x| x.parent != NONE && x.owners.contains(slot))
-        };
+        let holds = |e: Entry| holds_entry(nodes, slot, e);
         let Some(state) = self.workers[slot as usize].as_mut() else {
             return 0;
         };
         let Some(cap) = &mut state.cap else {
             return 0;
         };
+        cap.trim_front(state.owned, holds);
         cap.maybe_compact(state.owned, holds);
         if state.owned <= cap.limit() {
             return 0;
@@ -116,11 +125,7 @@ impl PrefixIndex {
             if state.owned <= cap.limit() {
                 break;
             }
-            let holds = |n: u32| {
-                nodes
-                    .get(n as usize)
-                    .is_some_and(|x| x.parent != NONE && x.owners.contains(slot))
-            };
+            let holds = |e: Entry| holds_entry(nodes, slot, e);
             let Some(victim) = cap.victim(holds, |n| nodes[n as usize].parent) else {
                 break;
             };
