@@ -172,6 +172,39 @@ mod tests {
         }
     }
 
+    /// A removed block's node is freed and taken by the worker's next store: the new
+    /// block is the youngest, whatever the gain-order place of the node's old block.
+    #[test]
+    fn a_recycled_node_is_evicted_by_its_new_blocks_age() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        assert_eq!(idx.set_capacity(w, Some(2)), 0);
+        idx.apply_stored(w, None, &blocks(&[(1, 11)]));
+        idx.apply_stored(w, None, &blocks(&[(2, 12)]));
+        assert_eq!(idx.apply_removed(w, &[ExternalHash(11)]).not_found, 0);
+        // Block 3 takes the node block 1 had; block 2 is now the oldest, and block 4
+        // takes the worker past its capacity.
+        idx.apply_stored(w, None, &blocks(&[(3, 13)]));
+        idx.apply_stored(w, None, &blocks(&[(4, 14)]));
+        idx.check_invariants();
+        assert_eq!(idx.worker_blocks(w), 2);
+        let score = |idx: &PrefixIndex, local: u64| {
+            let mut out = OverlapScores::new();
+            idx.find_matches(&q(&[local]), &mut out);
+            out.score(w)
+        };
+        assert_eq!(score(&idx, 2), 0, "the oldest block was kept");
+        assert_eq!(
+            (score(&idx, 3), score(&idx, 4)),
+            (1, 1),
+            "the recycled node's new block was evicted"
+        );
+        // One more: block 3 is now the oldest.
+        idx.apply_stored(w, None, &blocks(&[(5, 15)]));
+        assert_eq!((score(&idx, 3), score(&idx, 4), score(&idx, 5)), (0, 1, 1));
+        assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 2)]);
+    }
+
     #[test]
     fn capacity_evicts_the_oldest_chain_leaf_first() {
         let mut idx = PrefixIndex::new();
