@@ -22,7 +22,8 @@
 //! - A worker key with a declared capacity ([`KvIndex::set_capacity`], `total_kv_blocks`)
 //!   never holds more device blocks than that after an operation returns; evictions take
 //!   only blocks none of whose children the worker still holds, so they never cut a chain,
-//!   and the answers equal the model's restricted to the retained blocks (property-tested).
+//!   oldest block first (a node freed and reused holds a new block), and the answers equal
+//!   the model's restricted to the retained blocks (property-tested).
 //!
 //! # Design choices
 //! - **Per-block trie in a slab** ([`PrefixIndex`]): 48-byte nodes in one `Vec`, with the
