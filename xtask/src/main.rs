@@ -10,8 +10,9 @@
 //!   publishers (a separate process) into the release server: applied blocks/s, server CPU
 //!   per million blocks, `/select` latency during the stream, fleet figures; every batch is
 //!   checked as applied. `--baseline BIN` / `--baseline-arg=...` alternate it with another
-//!   build or setting (ABBA) and print both medians and their ratios; a stall probe of the
-//!   machine precedes each run. `ci` runs a small configuration against the debug server.
+//!   build or setting (ABBA) and print both medians and their ratios; `--retain-events R`
+//!   / `--capacity-blocks K` hold the index at a steady size; a stall probe of the machine
+//!   precedes each run. `ci` runs small configurations against the debug server.
 //! - `instructions [--only W/N] [--cache-sim]`: instructions per `select_and_reserve` +
 //!   `free` cycle counted by callgrind, over the service bench's matrix (needs valgrind;
 //!   docs/hot-path.md).
