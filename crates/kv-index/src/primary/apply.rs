@@ -99,13 +99,7 @@ impl PrefixIndex {
             let nodes = &self.nodes;
             let previous = self.workers[slot as usize].as_mut().and_then(|state| {
                 if gain && let Some(cap) = &mut state.cap {
-                    // A new node's `external` is this block's hash (see below).
-                    let tag = if child_new {
-                        block.block_hash.0
-                    } else {
-                        nodes[child as usize].external
-                    };
-                    cap.gained(child, tag as u32, cur);
+                    cap.gained(child, nodes[child as usize].tag(), cur);
                 }
                 if child_new {
                     // A new node's `external` is this block's hash.

@@ -13,9 +13,9 @@ use crate::capacity::{Capacity, Entry, node_of, tag_of};
 /// has another engine hash).
 #[inline]
 fn holds_entry(nodes: &[Node], slot: u32, e: Entry) -> bool {
-    nodes.get(node_of(e) as usize).is_some_and(|x| {
-        x.parent != NONE && x.external as u32 == tag_of(e) && x.owners.contains(slot)
-    })
+    nodes
+        .get(node_of(e) as usize)
+        .is_some_and(|x| x.parent != NONE && x.tag() == tag_of(e) && x.owners.contains(slot))
 }
 
 impl PrefixIndex {
@@ -65,7 +65,7 @@ impl PrefixIndex {
                 let mut cap = Capacity::new(limit);
                 for n in held {
                     let node = &nodes[n as usize];
-                    cap.gained(n, node.external as u32, node.parent);
+                    cap.gained(n, node.tag(), node.parent);
                 }
                 state.cap = Some(cap);
             }

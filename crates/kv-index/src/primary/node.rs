@@ -35,6 +35,14 @@ pub(super) struct Node {
 }
 
 impl Node {
+    /// The tag of the block this node holds in a capacity's gain order
+    /// (`crate::capacity::Entry`): the low half of its engine hash, which a freed node
+    /// taken by another block changes.
+    #[inline]
+    pub(super) fn tag(&self) -> u32 {
+        self.external as u32
+    }
+
     pub(super) fn new(parent: u32, local: u64, external: u64) -> Self {
         Node {
             local,
