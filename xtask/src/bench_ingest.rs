@@ -285,6 +285,10 @@ struct Run {
     lookup_wait_max: Duration,
     /// Times a listener ended a write section early to yield its core.
     step_asides: u64,
+    /// With two index copies (`--kv-index-copies 2`): writes that waited over 50 µs for
+    /// lookups to leave a copy (lookups do not wait for writers then, except the rare
+    /// fallback counted in `lookup_waits`).
+    drains_over_50us: u64,
     /// The machine's own stalls, probed just before the run.
     stalls: Option<crate::stall_probe::Stalls>,
     /// The same selections as the service timed them (`kv_select_selection_duration_seconds`
@@ -652,13 +656,15 @@ async fn drive(
         .filter_map(|(_, v)| v.parse::<f64>().ok())
         .fold(0.0, f64::max);
     Ok(Run {
-        lookup_waits: gauge(&text, "kv_select_index_lookup_waits_total"),
+        lookup_waits: gauge(&text, "kv_select_index_lookup_waits_total")
+            + gauge(&text, "kv_select_index_two_copy_lookup_waits_total"),
         lookup_waits_over_50us: gauge(&text, "kv_select_index_lookup_waits_over_50us_total"),
         lookup_waits_behind_writer: gauge(
             &text,
             "kv_select_index_lookup_waits_behind_writer_over_50us_total",
         ),
         step_asides: gauge(&text, "kv_select_index_writer_step_asides_total"),
+        drains_over_50us: gauge(&text, "kv_select_index_writer_drain_waits_over_50us_total"),
         stalls: None,
         lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
         in_service,
@@ -934,7 +940,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         w.shared * 100.0
     );
     println!(
-        "round       M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
+        "round       M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, (label, r)) in runs.iter().enumerate() {
@@ -946,7 +952,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             round.to_string()
         };
         println!(
-            "{:>10}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
+            "{:>10}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
             name,
             r.rate() / 1e6,
             cpu(r),
@@ -963,6 +969,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             r.lookup_waits_behind_writer,
             us(r.lookup_wait_max),
             r.step_asides,
+            r.drains_over_50us,
             r.registration.as_secs_f64(),
             r.threads,
             r.descriptors,

@@ -214,6 +214,12 @@ struct Cli {
     #[arg(long, default_value = "250", value_parser = clap::value_parser!(u64).range(0..=1_000_000), value_name = "US")]
     kv_writer_step_aside_us: u64,
 
+    /// Copies of each partition's prefix index. 1: lookups wait for the event write in
+    /// progress (microseconds, longer when the writer loses its core inside it). 2:
+    /// lookups never wait for a writer, at twice the index's memory and event-apply CPU.
+    #[arg(long, default_value = "1", value_parser = clap::value_parser!(u8).range(1..=2), value_name = "N")]
+    kv_index_copies: u8,
+
     /// Seconds a KV listener waits for an engine's gap replay before abandoning it (the
     /// missing batches are then counted lost) and going on with live events (fractional
     /// accepted).
@@ -316,6 +322,8 @@ pub struct ServerConfig {
     pub kv_listener_threads: Option<std::num::NonZeroUsize>,
     /// `--kv-writer-step-aside-us` (`None`: 0, never).
     pub kv_writer_step_aside: Option<Duration>,
+    /// `--kv-index-copies`.
+    pub kv_index_copies: service_builder::IndexCopies,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
@@ -366,6 +374,7 @@ impl Default for ServerConfig {
             kv_replay_timeout: Duration::from_secs(5),
             kv_listener_threads: None,
             kv_writer_step_aside: Some(service_builder::DEFAULT_KV_WRITER_STEP_ASIDE),
+            kv_index_copies: service_builder::IndexCopies::One,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             policy_classes: None,
@@ -594,6 +603,10 @@ impl ServerConfig {
                 .and_then(std::num::NonZeroUsize::new),
             kv_writer_step_aside: (cli.kv_writer_step_aside_us > 0)
                 .then(|| Duration::from_micros(cli.kv_writer_step_aside_us)),
+            kv_index_copies: match cli.kv_index_copies {
+                2 => service_builder::IndexCopies::Two,
+                _ => service_builder::IndexCopies::One,
+            },
             router,
             policy_names,
             policy_classes: file.and_then(|f| f.classes),
@@ -1002,6 +1015,23 @@ mod tests {
             err(&["--kv-writer-step-aside-us", "2000000"], &[])
                 .contains("--kv-writer-step-aside-us")
         );
+    }
+
+    #[test]
+    fn kv_index_copies_default_to_one_and_accept_only_one_or_two() {
+        let copies = |args: &[&str]| parse(args, &[]).unwrap().kv_index_copies;
+        assert_eq!(copies(&[]), service_builder::IndexCopies::One);
+        assert_eq!(
+            copies(&["--kv-index-copies", "2"]),
+            service_builder::IndexCopies::Two
+        );
+        assert_eq!(
+            copies(&["--kv-index-copies", "1"]),
+            service_builder::IndexCopies::One
+        );
+        for bad in ["0", "3", "two"] {
+            assert!(err(&["--kv-index-copies", bad], &[]).contains("--kv-index-copies"));
+        }
     }
 
     #[test]

@@ -456,6 +456,7 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
         replay_timeout: cfg.kv_replay_timeout,
         kv_listener_threads: cfg.kv_listener_threads,
         kv_writer_step_aside: cfg.kv_writer_step_aside,
+        kv_index_copies: cfg.kv_index_copies,
         ..service_builder::CoreConfig::default()
     };
     let mut builder = service_builder::SelectionServiceBuilder::new(core);

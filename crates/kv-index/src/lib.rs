@@ -117,6 +117,7 @@
 //! index_lookup` (`index_apply`, `index_memory`) reproduces them.
 
 mod capacity;
+mod cell;
 mod gate;
 mod index;
 mod lower;
@@ -127,7 +128,9 @@ mod shared;
 pub mod snapshot;
 mod tiers;
 mod ttl;
+mod twin;
 
+pub use cell::{IndexCell, IndexCopies, IndexRead, IndexWaits};
 pub use gate::{GateCounts, ReadGate};
 pub use index::{
     ApplyCounters, ApplyOutcome, ApproxCachePolicy, IndexConfig, IndexConfigError,

@@ -380,14 +380,12 @@ impl Ingress {
         // Stop outside the lock: a stop waits for the batch its group is applying.
         for (key, r) in to_stop {
             r.listener.stop();
-            r.partition.index.write().remove_rank(key);
+            r.partition.index.write(|index| index.remove_rank(key));
         }
         if let Some(prev) = prev {
             for rank in prev.dp_ranks().filter(|r| !retained.contains(r)) {
-                partition
-                    .index
-                    .write()
-                    .remove_rank(WorkerKey::new(prev.worker_id, rank));
+                let key = WorkerKey::new(prev.worker_id, rank);
+                partition.index.write(|index| index.remove_rank(key));
             }
         }
         let mut started: BTreeMap<WorkerKey, Registered> = BTreeMap::new();

@@ -175,6 +175,8 @@ pub use discovery::CatalogReconciler;
 pub use error::{BuildError, ErrorKind, RejectionDetails, SelectionError};
 /// Listener statistics and their label sets, for exporters.
 pub use kv_events::{DropReason, FilterReason, ListenerStats};
+/// How many copies of each partition's index [`CoreConfig::kv_index_copies`] keeps.
+pub use kv_index::IndexCopies;
 pub use metrics::{
     CoreMetrics, LatencyHistogram, METRICS_PREFIX, RejectedOperation, RejectionReason,
     SELECTION_LATENCY_BUCKETS_US,

@@ -127,7 +127,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         /// `(requests, ISL tokens)` waiting, when the partition has an admission queue.
         queued: Option<(u64, u64)>,
         routing: RoutingSnapshot,
-        lookup_waits: kv_index::GateCounts,
+        waits: kv_index::IndexWaits,
     }
     // Copy everything out first: each index lock is held only for the reads.
     let snapshot: Vec<Row> = core
@@ -150,7 +150,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 evictions: index.primary().capacity_evictions().collect(),
                 queued: p.queue.as_ref().map(|q| q.pending()),
                 routing: p.routing.snapshot(),
-                lookup_waits: p.index_gate.counts(),
+                waits: p.index.waits(),
             }
         })
         .collect();
@@ -219,7 +219,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         "Lookups that found the partition's index held by a writer and waited for its \
          section to end.",
         MetricType::Counter,
-        snapshot.iter().map(|r| (part(r), r.lookup_waits.waits)),
+        snapshot.iter().map(|r| (part(r), r.waits.lookups.waits)),
     )?;
     rows(
         enc,
@@ -227,7 +227,9 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         "Of those, lookups that waited longer than 50 microseconds (until they held the \
          read lock, including any wait for a core after the writer woke them).",
         MetricType::Counter,
-        snapshot.iter().map(|r| (part(r), r.lookup_waits.over_50us)),
+        snapshot
+            .iter()
+            .map(|r| (part(r), r.waits.lookups.over_50us)),
     )?;
     rows(
         enc,
@@ -238,7 +240,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         MetricType::Counter,
         snapshot
             .iter()
-            .map(|r| (part(r), r.lookup_waits.behind_writer_over_50us)),
+            .map(|r| (part(r), r.waits.lookups.behind_writer_over_50us)),
     )?;
     rows(
         enc,
@@ -248,7 +250,31 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         MetricType::Counter,
         snapshot
             .iter()
-            .map(|r| (part(r), r.lookup_waits.step_asides)),
+            .map(|r| (part(r), r.waits.lookups.step_asides)),
+    )?;
+    rows(
+        enc,
+        "index_writer_drain_waits",
+        "Writes of a two-copy index (--kv-index-copies 2) that waited for lookups to leave \
+         the copy they changed; lookups of such an index do not wait for writers.",
+        MetricType::Counter,
+        snapshot.iter().map(|r| (part(r), r.waits.drains)),
+    )?;
+    rows(
+        enc,
+        "index_writer_drain_waits_over_50us",
+        "Of those, writes that waited longer than 50 microseconds (a lookup lost its core \
+         while it read the copy).",
+        MetricType::Counter,
+        snapshot.iter().map(|r| (part(r), r.waits.drains_over_50us)),
+    )?;
+    rows(
+        enc,
+        "index_two_copy_lookup_waits",
+        "Lookups of a two-copy index that lost eight tries in a row to publications of \
+         the other copy and waited for its lock.",
+        MetricType::Counter,
+        snapshot.iter().map(|r| (part(r), r.waits.reader_waits)),
     )?;
     let mut longest = enc.encode_descriptor(
         "index_lookup_wait_max_seconds",
@@ -257,7 +283,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         MetricType::Gauge,
     )?;
     for r in &snapshot {
-        ConstGauge::new(r.lookup_waits.longest.as_secs_f64())
+        ConstGauge::new(r.waits.lookups.longest.as_secs_f64())
             .encode(longest.encode_family(&part(r))?)?;
     }
     // Per worker rank, summed over partitions (a rank's blocks are in one partition; one

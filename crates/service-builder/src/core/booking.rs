@@ -106,11 +106,11 @@ impl SelectionCore {
         if blocks.is_empty() || !partition.records_decisions {
             return;
         }
-        let mut index = partition.index.write();
-        match chain {
-            Some(seqs) => index.record_decision_chained(worker, blocks, seqs, Instant::now()),
-            None => index.record_decision(worker, blocks, Instant::now()),
-        };
+        let now = Instant::now();
+        partition.index.write(|index| match chain {
+            Some(seqs) => index.record_decision_chained(worker, blocks, seqs, now),
+            None => index.record_decision(worker, blocks, now),
+        });
     }
 
     pub(super) fn claim(
@@ -543,7 +543,7 @@ impl SelectionCore {
             if let Some(t) = &p.sessions {
                 t.reap(now);
             }
-            p.index.write().expire(now, usize::MAX);
+            p.index.write(|index| index.expire(now, usize::MAX));
             self.recheck_queue(p);
         }
         let swept = self.pending.lock().sweep(now);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use kv_index::KvIndex;
+use kv_index::{IndexCell, KvIndex};
 use kv_types::{WorkerId, WorkerKey};
 use load_accounting::{Ledger, LedgerConfig};
 use parking_lot::{Mutex, RwLock};
@@ -60,12 +60,14 @@ fn declare_capacity(p: &Partition, record: &WorkerRequest) {
         // Nothing here was ever bounded: nothing to withdraw, no write lock to take.
         return;
     }
-    let mut index = p.index.write();
-    let mut evicted = 0u64;
-    for rank in record.dp_ranks() {
-        evicted += u64::from(index.set_capacity(WorkerKey::new(record.worker_id, rank), blocks));
-    }
-    drop(index);
+    let evicted = p.index.write(|index| {
+        record
+            .dp_ranks()
+            .map(|rank| {
+                u64::from(index.set_capacity(WorkerKey::new(record.worker_id, rank), blocks))
+            })
+            .sum::<u64>()
+    });
     if evicted > 0 {
         tracing::warn!(
             worker_id = record.worker_id,
@@ -325,11 +327,8 @@ impl SelectionCore {
                  blocks were hashed differently and will not match new prompts"
             );
             let adopted = Arc::new(self.new_partition(key.clone(), block_size, is_eagle));
-            let index = std::mem::replace(
-                &mut *p.index.write(),
-                KvIndex::with_block_size(p.block_size),
-            );
-            *adopted.index.write() = index;
+            p.index
+                .move_into(&adopted.index, || KvIndex::with_block_size(p.block_size));
             state.partitions.insert(key, Arc::clone(&adopted));
             return Ok(adopted);
         }
@@ -354,15 +353,19 @@ impl SelectionCore {
             .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
         let mut icfg = index_config(router);
         icfg.block_size = block_size;
-        let index = KvIndex::new(&icfg, Instant::now());
+        let origin = Instant::now();
+        let index = IndexCell::new(
+            self.config.kv_index_copies,
+            self.config.kv_writer_step_aside,
+            || KvIndex::new(&icfg, origin),
+        );
+        let records_decisions = records_decisions(&index.read());
         Partition {
             key,
             block_size,
             is_eagle,
-            records_decisions: records_decisions(&index),
-            index: RwLock::new(index),
-            index_writers: Mutex::new(()),
-            index_gate: kv_index::ReadGate::with_step_aside(self.config.kv_writer_step_aside),
+            records_decisions,
+            index,
             ledger: Mutex::new(Ledger::new(LedgerConfig {
                 expiry: self.config.active_request_expiry,
             })),
@@ -437,7 +440,8 @@ impl SelectionCore {
     pub(super) fn detach(&self, record: &WorkerRequest) {
         self.ingress.detach_worker(WorkerId(record.worker_id));
         if let Some(p) = self.partition(&record.partition()) {
-            p.index.write().remove_worker(WorkerId(record.worker_id));
+            p.index
+                .write(|index| index.remove_worker(WorkerId(record.worker_id)));
         }
     }
 

@@ -26,7 +26,7 @@ impl SelectionCore {
         };
         // Short write sections, handed over fairly: a lookup waits behind at most one
         // section of a batch, never behind the whole batch or a writer that re-locks at once.
-        kv_index::apply_batch_fairly(&p.index, &p.index_writers, &p.index_gate, ops);
+        p.index.apply_batch(ops);
         let stored = ops
             .iter()
             .find(|op| matches!(op.kind, KvOperationKind::Stored { .. }))

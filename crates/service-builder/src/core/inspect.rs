@@ -281,10 +281,11 @@ impl SelectionCore {
                 }
             }
         };
-        let mut index = p.index.write();
-        for op in ops {
-            index.apply(op);
-        }
+        p.index.write(|index| {
+            for op in ops {
+                index.apply(op);
+            }
+        });
         Ok(())
     }
 

@@ -69,6 +69,10 @@ pub struct CoreConfig {
     /// listener is preempted between sections rather than inside one, and a woken HTTP
     /// thread gets the core within about this long (`None`: never; see kv-index's gate.rs).
     pub kv_writer_step_aside: Option<Duration>,
+    /// Copies of each partition's index: one behind a lock (lookups wait for the write
+    /// section in progress), or two, so lookups never wait for a writer at twice the
+    /// index's memory and write CPU (docs/hot-path.md, "two copies of the index").
+    pub kv_index_copies: kv_index::IndexCopies,
     /// Seed of the pickers' random source (`None` = from the clock).
     pub rng_seed: Option<u64>,
     /// Enables per-partition session-affinity tables (hard mode) with this idle TTL.
@@ -96,6 +100,7 @@ impl Default for CoreConfig {
             replay_timeout: Duration::from_secs(5),
             kv_listener_threads: None,
             kv_writer_step_aside: Some(DEFAULT_KV_WRITER_STEP_ASIDE),
+            kv_index_copies: kv_index::IndexCopies::One,
             rng_seed: None,
             session_affinity_ttl: None,
             replica_id: 0,

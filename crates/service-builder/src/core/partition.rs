@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use kv_index::{IndexConfig, KvIndex};
+use kv_index::{IndexCell, IndexConfig, KvIndex};
 use kv_types::{BlockHash, SequenceHash};
 use load_accounting::Ledger;
 use parking_lot::{Mutex, RwLock};
@@ -34,12 +34,9 @@ pub(crate) struct Partition {
     pub(crate) key: PartitionKey,
     pub(crate) block_size: u32,
     pub(crate) is_eagle: bool,
-    pub(crate) index: RwLock<KvIndex>,
-    /// The listeners' turn at writing `index` ([`kv_index::apply_batch_fairly`]): one
-    /// listener batch at a time, so lookups queue behind at most one write section.
-    pub(crate) index_writers: Mutex<()>,
-    /// Where lookups wait for a listener's write section (asleep, not yielding their core).
-    pub(crate) index_gate: kv_index::ReadGate,
+    /// One copy behind a lock whose lookups wait for a listener's write section, or two
+    /// copies whose lookups never wait (`CoreConfig::kv_index_copies`).
+    pub(crate) index: IndexCell,
     /// The index records routing decisions (approximate mode or a predicted-TTL side
     /// index): fixed when the index is built, so bookings without it take no index lock.
     pub(super) records_decisions: bool,

@@ -64,11 +64,9 @@ impl SelectionCore {
         scratch: &mut SelectScratch,
         dense_ok: bool,
     ) {
-        scratch.hits.find(
-            &partition.index_gate.read(&partition.index),
-            &scratch.blocks,
-            dense_ok,
-        );
+        scratch
+            .hits
+            .find(&partition.index.read(), &scratch.blocks, dense_ok);
     }
 
     /// Fills `scratch.blocks` / `scratch.tracking` and returns the normalized ISL.

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use kv_types::{HashOptions, WorkerKey};
 use selection_policy::RouterConfig;
 use service_builder::{
-    CoreConfig, ErrorKind, Lifecycle, PartitionKey, PromptInput, PromptQuery, ReservationRequest,
-    SelectRequest, SelectionCore, WorkerPatch, WorkerRequest,
+    CoreConfig, ErrorKind, IndexCopies, Lifecycle, PartitionKey, PromptInput, PromptQuery,
+    ReservationRequest, SelectRequest, SelectionCore, WorkerPatch, WorkerRequest,
 };
 use testkit::free_port;
 
@@ -197,7 +197,16 @@ fn generated_selection_ids_are_uuid_v4() {
 
 #[test]
 fn approximate_mode_records_bookings_and_steers_the_next_request() {
-    let c = core(approx_config());
+    for copies in [IndexCopies::One, IndexCopies::Two] {
+        approximate_mode_records_bookings_and_steers_the_next_request_with(copies);
+    }
+}
+
+fn approximate_mode_records_bookings_and_steers_the_next_request_with(copies: IndexCopies) {
+    let c = core(CoreConfig {
+        kv_index_copies: copies,
+        ..approx_config()
+    });
     for id in 1..=4 {
         c.upsert_worker(worker(id)).unwrap();
     }
@@ -569,10 +578,17 @@ fn bound_publisher() -> (zmq::Context, zmq::Socket, String) {
 
 #[test]
 fn engine_events_over_zmq_steer_selection() {
+    for copies in [IndexCopies::One, IndexCopies::Two] {
+        engine_events_over_zmq_steer_selection_with(copies);
+    }
+}
+
+fn engine_events_over_zmq_steer_selection_with(copies: IndexCopies) {
     let (_ctx, publisher, endpoint) = bound_publisher();
 
     let config = CoreConfig {
         rng_seed: Some(3),
+        kv_index_copies: copies,
         ..CoreConfig::default()
     };
     let c = core(config);
@@ -701,6 +717,12 @@ fn recovery_applies_dumps_by_the_peer_rules() {
 /// partition with another block size applies to it.
 #[test]
 fn recovered_partitions_take_the_first_workers_block_size() {
+    for copies in [IndexCopies::One, IndexCopies::Two] {
+        recovered_partitions_take_the_first_workers_block_size_with(copies);
+    }
+}
+
+fn recovered_partitions_take_the_first_workers_block_size_with(copies: IndexCopies) {
     let dump = |block_size: u32, hash: u64| {
         format!(
             r#"{{"m:default":{{"block_size":{block_size},"events":[{{"worker_id":1,"event":{{"event_id":0,"data":{{"stored":{{"parent_hash":null,"start_position":null,"blocks":[{{"block_hash":{hash},"tokens_hash":{hash},"mm_extra_info":null}}]}}}}}}}}]}}}}"#
@@ -721,7 +743,10 @@ fn recovered_partitions_take_the_first_workers_block_size() {
         (*block_size, events.len())
     };
 
-    let c = core(CoreConfig::default());
+    let c = core(CoreConfig {
+        kv_index_copies: copies,
+        ..CoreConfig::default()
+    });
     assert_eq!(c.restore_from_dump(dump(16, 7).as_bytes()).unwrap(), 1);
     // A second peer with another block size for the same partition applies on top.
     assert_eq!(c.restore_from_dump(dump(8, 9).as_bytes()).unwrap(), 1);
@@ -743,7 +768,10 @@ fn recovered_partitions_take_the_first_workers_block_size() {
     c.shutdown();
 
     // A first worker with the dump's block size joins without a change.
-    let c = core(CoreConfig::default());
+    let c = core(CoreConfig {
+        kv_index_copies: copies,
+        ..CoreConfig::default()
+    });
     c.restore_from_dump(dump(BLOCK, 7).as_bytes()).unwrap();
     let first = c.upsert_worker(joining(2, BLOCK, false)).unwrap();
     assert_eq!(first.lifecycle, Lifecycle::Schedulable);
@@ -751,7 +779,10 @@ fn recovered_partitions_take_the_first_workers_block_size() {
     c.shutdown();
 
     // A block size of 0 fails the peer, from a dump or given directly.
-    let c = core(CoreConfig::default());
+    let c = core(CoreConfig {
+        kv_index_copies: copies,
+        ..CoreConfig::default()
+    });
     let e = c.restore_from_dump(dump(0, 7).as_bytes()).unwrap_err();
     assert!(e.message().contains("at least 1"), "{}", e.message());
     let e = c
