@@ -237,9 +237,16 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         binary.display()
     );
     // Growing the index; at its capacity (each worker stores 416 blocks and holds 160,
-    // the prefixes and four batches, so the index evicts 256 per worker); and at a steady
-    // size through removals (each worker keeps its last 16 of 96 events).
-    for (capacity, retain) in [(None, None), (Some(160), None), (None, Some(16))] {
+    // the prefixes and four batches, so the index evicts 256 per worker); at a steady
+    // size through removals (each worker keeps its last 16 of 96 events); and at its
+    // capacity again with two copies of the index, whose evictions must match.
+    let two_copies = ["--kv-index-copies=2".to_owned()];
+    for (capacity, retain, args) in [
+        (None, None, &[][..]),
+        (Some(160), None, &[][..]),
+        (None, Some(16), &[][..]),
+        (Some(160), None, &two_copies[..]),
+    ] {
         let workload = Workload {
             capacity,
             retain,
@@ -247,11 +254,16 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         };
         workload.validate()?;
         let started = Instant::now();
-        let run = run_once(&workload, &binary, &[], 5_000, None, 0)?;
+        let run = run_once(&workload, &binary, args, 5_000, None, 0)?;
         eprintln!(
-            "xtask: bench ingest smoke test (capacity {}, {} removals) passed in {:.1?} ({})",
+            "xtask: bench ingest smoke test (capacity {}, {} removals{}) passed in {:.1?} ({})",
             workload.declared_capacity(),
             workload.removed_events(),
+            if args.is_empty() {
+                ""
+            } else {
+                ", two index copies"
+            },
             started.elapsed(),
             run.summary()
         );

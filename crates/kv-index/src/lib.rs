@@ -111,6 +111,11 @@
 //!   yield its core. A gate made [`ReadGate::with_step_aside`] has a writer that has run
 //!   that long release the lock at the next section boundary and yield its core, so the
 //!   scheduler switches a busy listener out where no lookup waits behind it (gate.rs).
+//! - **Two copies, on request**: an [`IndexCell`] holds a partition's index either that way
+//!   (one copy) or as a left-right pair ([`IndexCopies::Two`], `twin.rs`), whose lookups
+//!   read the published copy and never wait for a writer: the writer changes the other
+//!   copy, publishes it, and waits for the old copy's lookups before changing it too. That
+//!   doubles the index's memory and write work, so it is the caller's choice.
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench
