@@ -220,6 +220,13 @@ struct Cli {
     #[arg(long, default_value = "1", value_parser = clap::value_parser!(u8).range(1..=2), value_name = "N")]
     kv_index_copies: u8,
 
+    /// Messages each KV listener queues unread before it stops reading its engine's
+    /// connection (ZMQ_RCVHWM). With the largest accepted message, this bounds the memory
+    /// a stalled server gives to event backlogs; past it the engine drops, and the gap is
+    /// replayed or counted lost.
+    #[arg(long, default_value = "1000", value_parser = clap::value_parser!(i32).range(1..=1_000_000), value_name = "MESSAGES")]
+    kv_receive_hwm: i32,
+
     /// Seconds a KV listener waits for an engine's gap replay before abandoning it (the
     /// missing batches are then counted lost) and going on with live events (fractional
     /// accepted).
@@ -324,6 +331,8 @@ pub struct ServerConfig {
     pub kv_writer_step_aside: Option<Duration>,
     /// `--kv-index-copies`.
     pub kv_index_copies: service_builder::IndexCopies,
+    /// `--kv-receive-hwm`.
+    pub kv_receive_hwm: i32,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
     pub router: RouterConfig,
     pub policy_names: PolicyNames,
@@ -375,6 +384,7 @@ impl Default for ServerConfig {
             kv_listener_threads: None,
             kv_writer_step_aside: Some(service_builder::DEFAULT_KV_WRITER_STEP_ASIDE),
             kv_index_copies: service_builder::IndexCopies::One,
+            kv_receive_hwm: 1000,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             policy_classes: None,
@@ -607,6 +617,7 @@ impl ServerConfig {
                 2 => service_builder::IndexCopies::Two,
                 _ => service_builder::IndexCopies::One,
             },
+            kv_receive_hwm: cli.kv_receive_hwm,
             router,
             policy_names,
             policy_classes: file.and_then(|f| f.classes),
@@ -1031,6 +1042,21 @@ mod tests {
         );
         for bad in ["0", "3", "two"] {
             assert!(err(&["--kv-index-copies", bad], &[]).contains("--kv-index-copies"));
+        }
+    }
+
+    #[test]
+    fn kv_receive_hwm_defaults_to_libzmqs_1000_and_refuses_zero() {
+        assert_eq!(parse(&[], &[]).unwrap().kv_receive_hwm, 1000);
+        assert_eq!(
+            parse(&["--kv-receive-hwm", "50"], &[])
+                .unwrap()
+                .kv_receive_hwm,
+            50
+        );
+        for bad in ["0", "-1", "2000000", "many"] {
+            let flag = format!("--kv-receive-hwm={bad}");
+            assert!(err(&[&flag], &[]).contains("--kv-receive-hwm"), "{bad}");
         }
     }
 

@@ -96,8 +96,8 @@ pub use decode::{
 };
 pub use endpoint::{EndpointError, validate_endpoint};
 pub use listener::{
-    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_REPLAY_TIMEOUT, KvEventListener, KvEventSink, ListenerConfig,
-    ListenerError, ListenerGroup, ListenerState,
+    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_RECEIVE_HWM, DEFAULT_REPLAY_TIMEOUT, KvEventListener,
+    KvEventSink, ListenerConfig, ListenerError, ListenerGroup, ListenerState,
 };
 pub use normalize::{FilterReason, Normalizer, TruncateReason};
 pub use spares::Spares;

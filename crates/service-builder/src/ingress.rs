@@ -291,6 +291,8 @@ pub(crate) struct Ingress {
     groups: GroupPool,
     sink: Arc<dyn IngressSink>,
     replay_timeout: Duration,
+    /// Every listener's `ZMQ_RCVHWM` ([`ListenerConfig::receive_hwm`]).
+    receive_hwm: i32,
     /// Drops and filters of every listener this ingress ever ran, by reason.
     totals: Arc<kv_events::ReasonTotals>,
     listeners: Mutex<HashMap<WorkerKey, Registered>>,
@@ -322,10 +324,17 @@ impl Ingress {
             groups: GroupPool::new(LISTENERS_PER_GROUP, min_groups),
             sink,
             replay_timeout,
+            receive_hwm: kv_events::DEFAULT_RECEIVE_HWM,
             totals: Arc::default(),
             listeners: Mutex::new(HashMap::new()),
             open: AtomicBool::new(true),
         }
+    }
+
+    /// Listeners started from now on queue at most `messages` unread messages each.
+    pub(crate) fn with_receive_hwm(mut self, messages: i32) -> Self {
+        self.receive_hwm = messages;
+        self
     }
 
     /// Reconciles the listeners of `record` against `prev` (same partition, schedulable).
@@ -437,6 +446,7 @@ impl Ingress {
         let block_size = record.block_size.unwrap_or(0);
         let mut cfg = ListenerConfig::new(key, ep.to_owned(), block_size)
             .with_replay_timeout(self.replay_timeout)
+            .with_receive_hwm(self.receive_hwm)
             .with_totals(Arc::clone(&self.totals));
         match &record.replay_endpoint {
             Some(replay) if private_endpoint(replay).is_some() => {

@@ -47,6 +47,10 @@ pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// connection reset), which bounds what a hostile publisher can make us buffer.
 pub const DEFAULT_MAX_MESSAGE_SIZE: i64 = 64 * 1024 * 1024;
 
+/// Default receive high-water mark of a listener's SUB socket, in messages: libzmq's own
+/// default, which the reference keeps (it sets no `ZMQ_RCVHWM`).
+pub const DEFAULT_RECEIVE_HWM: i32 = 1000;
+
 /// What one listener connects to and how it hashes.
 #[derive(Clone, Debug)]
 pub struct ListenerConfig {
@@ -60,6 +64,11 @@ pub struct ListenerConfig {
     pub block_size: u32,
     pub replay_timeout: Duration,
     pub max_message_size: i64,
+    /// Messages the SUB socket queues before it stops reading its connection
+    /// (`ZMQ_RCVHWM`): with `max_message_size`, what one listener can hold unapplied. Past
+    /// it the publisher's queue fills and the engine drops, which the listener sees as a
+    /// sequence gap and replays. 0 means no limit.
+    pub receive_hwm: i32,
     /// When false, the SUB connects immediately but nothing is read until
     /// [`KvEventListener::open`] (the service's ready gate, §2.3).
     ///
@@ -81,6 +90,7 @@ impl ListenerConfig {
             block_size,
             replay_timeout: DEFAULT_REPLAY_TIMEOUT,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            receive_hwm: DEFAULT_RECEIVE_HWM,
             start_open: true,
             initial_watermark: None,
             totals: None,
@@ -101,6 +111,11 @@ impl ListenerConfig {
 
     pub fn with_replay_timeout(mut self, timeout: Duration) -> Self {
         self.replay_timeout = timeout;
+        self
+    }
+
+    pub fn with_receive_hwm(mut self, messages: i32) -> Self {
+        self.receive_hwm = messages;
         self
     }
 }

@@ -154,6 +154,8 @@ impl KvEventListener {
             return Err(ListenerError::ZeroBlockSize);
         }
         let sub = new_socket(ctx, zmq::SUB, &config.endpoint, config.max_message_size)?;
+        sub.set_rcvhwm(config.receive_hwm)
+            .map_err(zmq_err("setsockopt", &config.endpoint))?;
         sub.set_subscribe(b"")
             .map_err(zmq_err("subscribe", &config.endpoint))?;
         // Before the connect, so its first events are seen.

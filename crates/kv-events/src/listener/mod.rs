@@ -33,7 +33,7 @@ mod socket;
 mod worker;
 
 pub use config::{
-    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_REPLAY_TIMEOUT, KvEventSink, ListenerConfig, ListenerError,
-    ListenerState,
+    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_RECEIVE_HWM, DEFAULT_REPLAY_TIMEOUT, KvEventSink,
+    ListenerConfig, ListenerError, ListenerState,
 };
 pub use handle::{KvEventListener, ListenerGroup};

@@ -669,6 +669,56 @@ fn ready_gate_holds_messages_until_open_and_drop_stops() {
     drop(listener);
 }
 
+/// The receive high-water mark bounds what a listener holds unread. With the gate closed,
+/// a paced flood of 64 KiB messages fills the listener's queue, then the connection's TCP
+/// buffers, then the publisher's queue (4), past which the publisher drops: a listener with
+/// the default mark (1,000) ends up holding about 1,000 more than one with a mark of 4.
+/// Every message is junk, so the malformed count is exactly what arrived.
+#[test]
+fn the_receive_high_water_mark_bounds_what_a_gated_listener_holds() {
+    const FLOOD: u64 = 3_000;
+    let junk = vec![0xc1u8; 64 * 1024];
+    let arrived = |receive_hwm: Option<i32>| -> u64 {
+        let ctx = zmq::Context::new();
+        // The mark before the bind: a bound socket's connections take its options then.
+        let publisher = ctx.socket(zmq::PUB).unwrap();
+        publisher.set_linger(0).unwrap();
+        publisher.set_sndhwm(4).unwrap();
+        publisher.bind("tcp://127.0.0.1:*").unwrap();
+        let ep = publisher.get_last_endpoint().unwrap().unwrap();
+        let (sink, rx) = Collector::new();
+        let mut config = ListenerConfig::new(WorkerKey::new(5, 0), ep, 4);
+        if let Some(hwm) = receive_hwm {
+            config = config.with_receive_hwm(hwm);
+        }
+        config.start_open = false;
+        let listener = KvEventListener::start(config, sink).unwrap();
+        let stats = listener.stats();
+        wait_until(|| stats.connected.load(std::sync::atomic::Ordering::Relaxed));
+        // The subscription reaches the publisher after the handshake.
+        std::thread::sleep(Duration::from_millis(300));
+        for seq in 0..FLOOD {
+            publish(&publisher, seq, &junk);
+            // Paced, so that the publisher's own queue is not what overflows first.
+            if seq % 4 == 3 {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        }
+        listener.open();
+        // Everything queued is read before this marker, which comes after it.
+        rx.publish_until_delivered(&publisher, FLOOD, &batch(vec![cleared()]));
+        let arrived = stats.dropped(DropReason::MalformedMsgpack);
+        listener.stop();
+        arrived
+    };
+    let default = arrived(None);
+    let bounded = arrived(Some(4));
+    assert!(
+        default >= bounded + 500 && default < FLOOD,
+        "the default mark held {default}, a mark of 4 held {bounded} of {FLOOD} messages"
+    );
+}
+
 /// A stop reaches the thread through its wake pipe whatever it is waiting on: the closed
 /// gate, an idle SUB socket, or a replay that would otherwise wait out its 30 s timeout.
 #[test]

@@ -73,6 +73,11 @@ pub struct CoreConfig {
     /// section in progress), or two, so lookups never wait for a writer at twice the
     /// index's memory and write CPU (docs/hot-path.md, "two copies of the index").
     pub kv_index_copies: kv_index::IndexCopies,
+    /// Messages each KV listener queues unread before it stops reading its connection
+    /// (`ZMQ_RCVHWM`; libzmq's default 1,000). With the largest message accepted, this
+    /// bounds the memory a stalled server gives to backlogs; past it the engines drop,
+    /// and the listeners replay the gaps.
+    pub kv_receive_hwm: i32,
     /// Seed of the pickers' random source (`None` = from the clock).
     pub rng_seed: Option<u64>,
     /// Enables per-partition session-affinity tables (hard mode) with this idle TTL.
@@ -101,6 +106,7 @@ impl Default for CoreConfig {
             kv_listener_threads: None,
             kv_writer_step_aside: Some(DEFAULT_KV_WRITER_STEP_ASIDE),
             kv_index_copies: kv_index::IndexCopies::One,
+            kv_receive_hwm: kv_events::DEFAULT_RECEIVE_HWM,
             rng_seed: None,
             session_affinity_ttl: None,
             replica_id: 0,
@@ -166,6 +172,7 @@ impl SelectionCore {
         let seed = config.rng_seed.unwrap_or_else(clock_seed);
         let replay_timeout = config.replay_timeout;
         let listener_threads = config.kv_listener_threads;
+        let receive_hwm = config.kv_receive_hwm;
         Ok(Arc::new_cyclic(|weak: &std::sync::Weak<SelectionCore>| {
             let sink: Arc<dyn IngressSink> = Arc::new(weak.clone());
             Self {
@@ -175,7 +182,8 @@ impl SelectionCore {
                 state: RwLock::default(),
                 catalog_mutation: Mutex::new(()),
                 reservations: Mutex::default(),
-                ingress: Ingress::new(sink, replay_timeout, listener_threads),
+                ingress: Ingress::new(sink, replay_timeout, listener_threads)
+                    .with_receive_hwm(receive_hwm),
                 shut_down: AtomicBool::new(false),
                 metrics: CoreMetrics::default(),
                 rng_seed: AtomicU64::new(seed),
