@@ -1,0 +1,89 @@
+//! `index_churn`: the longest single operation while a worker with a declared capacity
+//! (`total_kv_blocks`) loses its blocks out of the order it gained them, as an engine
+//! evicting least-recently-used blocks reports them. Each step removes a random held chain
+//! of 8 blocks (leaf first) and stores a new one, so stale entries pile up in the worker's
+//! gain order until it is compacted (`kv-index/src/capacity.rs`). Prints, per index size,
+//! the time of all steps, the longest remove-plus-store and how many took over 1 ms: the
+//! pause a lookup would wait behind in one write section.
+//! Not a criterion measurement: the figure of interest is a maximum.
+
+use std::time::{Duration, Instant};
+
+use kv_index::KvIndex;
+use kv_types::{
+    BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier, StoredBlock, WorkerKey,
+};
+
+const STEPS: usize = 200_000;
+
+fn op(worker: WorkerKey, kind: KvOperationKind) -> KvOperation {
+    KvOperation {
+        worker,
+        tier: StorageTier::Device,
+        event_id: 0,
+        kind,
+    }
+}
+
+/// The engine hashes of chain `c` (its local hashes are the same numbers).
+fn chain(c: u64) -> impl DoubleEndedIterator<Item = u64> {
+    (0..8).map(move |i| c * 8 + i + 1)
+}
+
+fn store(worker: WorkerKey, c: u64) -> KvOperation {
+    let blocks = chain(c)
+        .map(|h| StoredBlock::new(ExternalHash(h), BlockHash(h)))
+        .collect();
+    op(
+        worker,
+        KvOperationKind::Stored {
+            parent_hash: None,
+            blocks,
+        },
+    )
+}
+
+fn remove(worker: WorkerKey, c: u64) -> KvOperation {
+    let block_hashes = chain(c).rev().map(ExternalHash).collect();
+    op(worker, KvOperationKind::Removed { block_hashes })
+}
+
+fn run(chains: u64) {
+    let worker = WorkerKey::new(1, 0);
+    let mut index = KvIndex::with_block_size(16);
+    index.set_capacity(worker, Some(u32::MAX / 2));
+    for c in 0..chains {
+        index.apply(&store(worker, c));
+    }
+    let mut live: Vec<u64> = (0..chains).collect();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let (mut longest, mut over_1ms) = (Duration::ZERO, 0u32);
+    let started = Instant::now();
+    for next in chains..chains + STEPS as u64 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let gone = live.swap_remove((rng % live.len() as u64) as usize);
+        let (out, new) = (remove(worker, gone), store(worker, next));
+        let t = Instant::now();
+        index.apply(&out);
+        index.apply(&new);
+        let took = t.elapsed();
+        longest = longest.max(took);
+        over_1ms += u32::from(took > Duration::from_millis(1));
+        live.push(next);
+    }
+    eprintln!(
+        "index_churn: {} held blocks, {STEPS} random removes and stores of 8 blocks in {:.1?}: longest {:.1?}, {over_1ms} over 1 ms",
+        chains * 8,
+        started.elapsed(),
+        longest
+    );
+    std::hint::black_box(&index);
+}
+
+fn main() {
+    for chains in [25_000, 100_000] {
+        run(chains);
+    }
+}
