@@ -92,8 +92,9 @@
 //! - **Capacity bound** (beyond the reference): an engine cannot cache more blocks than
 //!   it has, so blocks past a worker's declared capacity are state whose `Removed` was
 //!   lost. Per worker key with a capacity, the index keeps the node ids it gained in order
-//!   (a 4-byte push per gained block, compacted when stale ids pile up) and, only once it
-//!   exceeds the capacity, exact per-node counts of its held children, which make the
+//!   (an 8-byte push per gained block, compacted a step per store when stale ids pile
+//!   up) and, only once it exceeds the capacity, exact per-node counts of its held
+//!   children, which make the
 //!   oldest-first eviction leaf-first; the counts are dropped again when the worker is well
 //!   below its capacity. Eviction forgets every hash the worker mapped to the block, so no
 //!   stale mapping keeps a node alive. See `capacity.rs`.
@@ -119,7 +120,8 @@
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench
-//! index_lookup` (`index_apply`, `index_memory`) reproduces them.
+//! index_lookup` (`index_apply`, `index_memory`, `index_ingest`, and `index_churn` for
+//! the longest operation while a bounded worker loses blocks out of order) reproduces them.
 
 mod capacity;
 mod cell;
