@@ -199,8 +199,8 @@ impl Capacity {
     /// Compacts the gain order, a step per call, once stale entries outnumber the held
     /// blocks (`held`): keeps the entries that `holds`, in order. A compaction looks at
     /// [`COMPACT_PER_CALL`] entries per call, so a large worker's compaction never pauses
-    /// the index for long (a whole one took about 16 ns per entry, 2 ms at 62,500 blocks,
-    /// inside one write section). One that leaves more than a quarter of `held` in excess
+    /// the index for long (a whole one costs about 16 ns per entry, 2 ms at 62,500 blocks,
+    /// and would run inside one write section). One that leaves more than a quarter of `held` in excess
     /// (repeats: blocks lost and gained again meanwhile) is followed by one that also
     /// keeps only the first of repeated entries. Amortized O(1) per gain.
     pub(crate) fn maybe_compact(&mut self, held: u32, holds: impl Fn(Entry) -> bool) {
