@@ -24,6 +24,16 @@ pub enum IndexCopies {
     Two,
 }
 
+impl IndexCopies {
+    /// How many copies: what the index's memory is multiplied by.
+    pub fn count(self) -> usize {
+        match self {
+            IndexCopies::One => 1,
+            IndexCopies::Two => 2,
+        }
+    }
+}
+
 /// One partition's index and how its readers and writers take turns.
 #[derive(Debug)]
 pub struct IndexCell {

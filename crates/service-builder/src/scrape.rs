@@ -146,7 +146,8 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 counters: index.counters(),
                 blocks: stats.nodes,
                 memberships,
-                bytes: index.estimated_bytes(),
+                // Every copy holds it all.
+                bytes: index.estimated_bytes() * p.index.copies().count(),
                 evictions: index.primary().capacity_evictions().collect(),
                 queued: p.queue.as_ref().map(|q| q.pending()),
                 routing: p.routing.snapshot(),
@@ -209,7 +210,8 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
     rows(
         enc,
         "index_estimated_bytes",
-        "Estimated bytes allocated by the partition's index (all tiers and the side index).",
+        "Estimated bytes allocated by the partition's index (all tiers and the side index, \
+         times the copies kept with --kv-index-copies).",
         MetricType::Gauge,
         snapshot.iter().map(|r| (part(r), r.bytes as u64)),
     )?;

@@ -611,3 +611,73 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
     );
     c.shutdown();
 }
+
+/// With two copies of the index, the size estimate counts both, and the two-copy series
+/// are exported.
+#[test]
+fn a_two_copy_index_reports_the_bytes_of_both_copies() {
+    use kv_types::{
+        BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier, StoredBlock,
+    };
+    let bytes_with = |copies: service_builder::IndexCopies| -> (u64, String) {
+        let (_ctx, _publisher, endpoint) = bound_publisher();
+        let c = core(CoreConfig {
+            kv_index_copies: copies,
+            ..CoreConfig::default()
+        });
+        c.upsert_worker(WorkerRequest {
+            kv_events_endpoint: Some(endpoint),
+            ..worker(2)
+        })
+        .unwrap();
+        let mut registry = Registry::default();
+        c.register_metrics(&mut registry);
+        let ops: Vec<KvOperation> = (0..50u64)
+            .map(|chain| KvOperation {
+                worker: WorkerKey::new(2, 0),
+                tier: StorageTier::Device,
+                event_id: chain,
+                kind: KvOperationKind::Stored {
+                    parent_hash: None,
+                    blocks: (0..8u64)
+                        .map(|i| {
+                            let h = 100 * (chain + 1) + i;
+                            StoredBlock::new(ExternalHash(h), BlockHash(h))
+                        })
+                        .collect(),
+                },
+            })
+            .collect();
+        c.apply_events(
+            &service_builder::PartitionKey::new("default", "default"),
+            &ops,
+        );
+        let text = encode(&registry);
+        let bytes = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    r#"kv_select_index_estimated_bytes{model_name="default",routing_group="default"} "#,
+                )
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no estimated bytes in:\n{text}"));
+        c.shutdown();
+        (bytes, text)
+    };
+    let (one, _) = bytes_with(service_builder::IndexCopies::One);
+    let (two, text) = bytes_with(service_builder::IndexCopies::Two);
+    assert!(one > 0);
+    assert_eq!(two, 2 * one);
+    for series in [
+        "kv_select_index_writer_drain_waits_total",
+        "kv_select_index_writer_drain_waits_over_50us_total",
+        "kv_select_index_two_copy_lookup_waits_total",
+    ] {
+        has(
+            &text,
+            // Nothing read while the events were written: no writer waited.
+            &format!(r#"{series}{{model_name="default",routing_group="default"}} 0"#),
+        );
+    }
+}
