@@ -125,6 +125,7 @@
 
 mod capacity;
 mod cell;
+mod chunked;
 mod gate;
 mod index;
 mod lower;
