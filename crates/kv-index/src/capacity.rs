@@ -331,6 +331,12 @@ impl Capacity {
         self.kids = Some(kids);
     }
 
+    /// Whether a compaction is running (for tests of the trie).
+    #[cfg(test)]
+    pub(crate) fn compacting(&self) -> bool {
+        self.to_scan > 0
+    }
+
     /// The child counts, while evicting (for the trie's invariant checks).
     #[cfg(test)]
     pub(crate) fn child_counts(&self) -> Option<&FxHashMap<u32, u32>> {

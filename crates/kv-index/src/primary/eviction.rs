@@ -302,4 +302,64 @@ mod tests {
         idx.apply_stored(w, Some(ExternalHash(12)), &blocks(&[(3, 13), (4, 14)]));
         assert_eq!(idx.worker_blocks(w), 4);
     }
+
+    /// Removals out of gain order make the worker's gain order compact a step per store;
+    /// stores, removals and a capacity declared in the middle of a compaction keep the
+    /// trie's invariants, and the declaration evicts exactly the oldest blocks held.
+    #[test]
+    fn a_compaction_spread_over_stores_keeps_the_oldest_first_eviction() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        assert_eq!(idx.set_capacity(w, Some(100_000)), 0);
+        // Chain k: locals 2k+1 -> 2k+2, engine hashes 1,000 higher.
+        let chain = |k: u64| blocks(&[(2 * k + 1, 2 * k + 1001), (2 * k + 2, 2 * k + 1002)]);
+        let remove = |idx: &mut PrefixIndex, k: u64| {
+            let hashes = [ExternalHash(2 * k + 1002), ExternalHash(2 * k + 1001)];
+            assert_eq!(idx.apply_removed(w, &hashes).not_found, 0);
+        };
+        for k in 0..1_000 {
+            assert_eq!(idx.apply_stored(w, None, &chain(k)), StoreOutcome::Applied);
+        }
+        // Three in four chains go, scattered: 1,500 stale entries for 500 held blocks.
+        for k in (0..1_000).filter(|k| k % 4 != 0) {
+            remove(&mut idx, k);
+        }
+        // Stores now compact a step each; more removals come in between.
+        let compacting = |idx: &PrefixIndex| {
+            let state = idx.workers[idx.slot_of[&w] as usize].as_ref();
+            state
+                .and_then(|s| s.cap.as_ref())
+                .is_some_and(|c| c.compacting())
+        };
+        let mut running = 0;
+        for k in 1_000..1_010 {
+            idx.apply_stored(w, None, &chain(k));
+            running += usize::from(compacting(&idx));
+            idx.check_invariants();
+            remove(&mut idx, 12 * (k - 1_000));
+        }
+        // About 2,000 entries at 256 a store: eight stores, then done.
+        assert!(
+            running >= 5 && !compacting(&idx),
+            "ran over {running} stores"
+        );
+        let held: Vec<u64> = (0..1_010)
+            .filter(|&k| {
+                let [a, b] = [2 * k + 1, 2 * k + 2];
+                idx.holds(w, &q(&[a, b]))
+            })
+            .collect();
+        assert_eq!(idx.worker_blocks(w) as usize, 2 * held.len());
+        // A capacity of 100 blocks keeps the 50 youngest chains whole.
+        let evicted = idx.set_capacity(w, Some(100));
+        assert_eq!(evicted as usize, 2 * held.len() - 100);
+        idx.check_invariants();
+        assert_prefix_closed(&idx, w);
+        for (i, &k) in held.iter().enumerate() {
+            let young = i >= held.len() - 50;
+            let [a, b] = [2 * k + 1, 2 * k + 2];
+            assert_eq!(idx.holds(w, &q(&[a, b])), young, "chain {k}");
+            assert_eq!(idx.holds(w, &q(&[a])), young, "head of chain {k}");
+        }
+    }
 }
