@@ -24,8 +24,9 @@ impl SelectionCore {
         let Some(p) = self.partition(partition) else {
             return;
         };
-        // Short write sections, handed over fairly: a lookup waits behind at most one
-        // section of a batch, never behind the whole batch or a writer that re-locks at once.
+        // One copy: short write sections, handed over fairly, so a lookup waits behind at
+        // most one section of a batch, never behind the whole batch or a writer that
+        // re-locks at once. Two copies: lookups do not wait for it at all.
         p.index.apply_batch(ops);
         let stored = ops
             .iter()
