@@ -8,7 +8,7 @@
 //! them the trie passes in (is a node still held by this worker, what is its parent).
 //!
 //! # Cost while nothing is evicted
-//! One push of an 8-byte entry (into chunks, `chunked.rs`) per block the worker gains, and an occasional
+//! One `VecDeque` push of an 8-byte entry per block the worker gains, and an occasional
 //! compaction that drops entries of blocks it no longer holds, run a bounded step per
 //! store so that no store pauses the index for the whole order. Nothing per lost block.
 //!
@@ -38,9 +38,9 @@
 //! the oldest chain is evicted from its leaf back to its root (children are gained after
 //! their parents, hence lie after them in the order) before anything younger.
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::VecDeque;
 
-use crate::chunked::ChunkedDeque;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 /// One gained block: its node id in the low half, its tag (the low half of the node's
 /// engine hash) in the high half.
@@ -73,11 +73,11 @@ pub(crate) struct Capacity {
     limit: u32,
     /// While a compaction runs: the entries it kept so far, which come before `order`.
     /// Empty otherwise.
-    fresh: ChunkedDeque,
+    fresh: VecDeque<Entry>,
     /// Entries in the order the worker gained them (after `fresh`). May hold entries of
     /// blocks it no longer holds (skipped when met) and, after a block was lost and gained
     /// again, an entry twice.
-    order: ChunkedDeque,
+    order: VecDeque<Entry>,
     /// Entries at the front of `order` the running compaction has still to look at; 0
     /// when none runs.
     to_scan: usize,
@@ -103,8 +103,8 @@ impl Capacity {
     pub(crate) fn new(limit: u32) -> Self {
         Capacity {
             limit,
-            fresh: ChunkedDeque::default(),
-            order: ChunkedDeque::default(),
+            fresh: VecDeque::new(),
+            order: VecDeque::new(),
             to_scan: 0,
             seen: None,
             held: Vec::new(),
@@ -167,7 +167,7 @@ impl Capacity {
 
     /// The oldest entry of the gain order.
     fn front(&self) -> Option<Entry> {
-        self.fresh.front().or(self.order.front())
+        self.fresh.front().or(self.order.front()).copied()
     }
 
     /// Takes the oldest entry of the gain order.
@@ -222,6 +222,10 @@ impl Capacity {
             seen
         });
         self.to_scan = self.order.len();
+        // Allocated now, touched a step at a time: growing by doubling would copy the kept
+        // entries and fault in the new buffer's pages inside one store (about 5 ms at
+        // 800,000 entries). The buffers swap at the end, so later compactions reuse them.
+        self.fresh.reserve(self.to_scan + self.to_scan / 8);
     }
 
     /// Looks at up to `budget` entries of the running compaction; finishes it when none is
@@ -323,9 +327,9 @@ impl Capacity {
     fn count_kids(&mut self, holds: &impl Fn(Entry) -> bool, parent: &impl Fn(u32) -> u32) {
         let mut seen = FxHashSet::default();
         self.held.retain(|&e| holds(e) && seen.insert(e));
-        self.order.retain(|e| holds(e) && seen.insert(e));
+        self.order.retain(|&e| holds(e) && seen.insert(e));
         let mut kids = FxHashMap::default();
-        for e in self.held.iter().copied().chain(self.order.iter()) {
+        for &e in self.held.iter().chain(&self.order) {
             *kids.entry(parent(node_of(e))).or_insert(0) += 1;
         }
         self.kids = Some(kids);
@@ -345,8 +349,7 @@ impl Capacity {
 
     /// Bytes allocated by this bookkeeping.
     pub(crate) fn allocated_bytes(&self) -> usize {
-        self.fresh.allocated_bytes()
-            + self.order.allocated_bytes()
+        (self.fresh.capacity() + self.order.capacity()) * std::mem::size_of::<Entry>()
             + self.held.capacity() * std::mem::size_of::<Entry>()
             + self.kids.as_ref().map_or(0, |k| {
                 k.capacity() * (std::mem::size_of::<(u32, u32)>() + 1)
@@ -358,8 +361,8 @@ impl Capacity {
 /// compaction's kept entries), else of `order`, where it is one fewer for the compaction
 /// to look at.
 fn pop_front(
-    fresh: &mut ChunkedDeque,
-    order: &mut ChunkedDeque,
+    fresh: &mut VecDeque<Entry>,
+    order: &mut VecDeque<Entry>,
     to_scan: &mut usize,
     seen: &mut Option<FxHashSet<Entry>>,
 ) -> Option<Entry> {

@@ -125,7 +125,6 @@
 
 mod capacity;
 mod cell;
-mod chunked;
 mod gate;
 mod index;
 mod lower;
