@@ -210,7 +210,13 @@ impl Capacity {
             }
             self.start_compaction(&holds, false);
         }
-        self.compact_step(held, &holds, COMPACT_PER_CALL);
+        // Every held node has an entry, so a large excess left is repeats.
+        if self.compact_step(&holds, COMPACT_PER_CALL)
+            && self.seen.take().is_none()
+            && self.len() > held as usize + held as usize / 4 + SLACK
+        {
+            self.start_compaction(&holds, true);
+        }
     }
 
     /// Starts a compaction of `order` (the held candidates, few, are compacted at once).
@@ -229,8 +235,9 @@ impl Capacity {
     }
 
     /// Looks at up to `budget` entries of the running compaction; finishes it when none is
-    /// left to look at.
-    fn compact_step(&mut self, held: u32, holds: &impl Fn(Entry) -> bool, budget: usize) {
+    /// left to look at, and then returns true (`seen` still tells whether it dropped
+    /// repeats).
+    fn compact_step(&mut self, holds: &impl Fn(Entry) -> bool, budget: usize) -> bool {
         for _ in 0..budget {
             if self.to_scan == 0 {
                 break;
@@ -246,22 +253,19 @@ impl Capacity {
             }
         }
         if self.to_scan > 0 {
-            return;
+            return false;
         }
         // Done: the kept entries, then those gained meanwhile.
         self.fresh.append(&mut self.order);
         std::mem::swap(&mut self.fresh, &mut self.order);
-        let repeats_removed = self.seen.take().is_some();
-        // Every held node has an entry, so a large excess is repeats.
-        if !repeats_removed && self.len() > held as usize + held as usize / 4 + SLACK {
-            self.start_compaction(holds, true);
-        }
+        true
     }
 
     /// Runs the compaction in progress, if any, to its end.
     fn finish_compaction(&mut self, holds: &impl Fn(Entry) -> bool) {
-        while self.to_scan > 0 {
-            self.compact_step(u32::MAX, holds, usize::MAX);
+        if self.to_scan > 0 {
+            self.compact_step(holds, usize::MAX);
+            self.seen = None;
         }
     }
 

@@ -26,6 +26,40 @@ fn has(text: &str, line: &str) {
     );
 }
 
+/// `chains` stores by `rank` of `blocks` blocks each, every one from the root; chain `c`'s
+/// block `i` has hash `100 * (c + 1) + i` (engine and local alike).
+fn chain_stores(rank: WorkerKey, chains: u64, blocks: u64) -> Vec<kv_types::KvOperation> {
+    use kv_types::{BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier};
+    (0..chains)
+        .map(|chain| KvOperation {
+            worker: rank,
+            tier: StorageTier::Device,
+            event_id: chain,
+            kind: KvOperationKind::Stored {
+                parent_hash: None,
+                blocks: (0..blocks)
+                    .map(|i| {
+                        let h = 100 * (chain + 1) + i;
+                        kv_types::StoredBlock::new(ExternalHash(h), BlockHash(h))
+                    })
+                    .collect(),
+            },
+        })
+        .collect()
+}
+
+/// The default partition's `kv_select_index_estimated_bytes` sample.
+fn estimated_bytes(text: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                r#"kv_select_index_estimated_bytes{model_name="default",routing_group="default"} "#,
+            )
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no estimated bytes in:\n{text}"))
+}
+
 #[test]
 fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() {
     let (_ctx, publisher, endpoint) = bound_publisher();
@@ -475,9 +509,6 @@ fn an_unreachable_publisher_shows_until_it_answers() {
 /// evicts at once. The partition's size gauges follow.
 #[test]
 fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
-    use kv_types::{
-        BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier, StoredBlock,
-    };
     let (_ctx, _publisher, endpoint) = bound_publisher();
     let c = core(CoreConfig {
         rng_seed: Some(3),
@@ -493,22 +524,7 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
     c.register_metrics(&mut registry);
     let rank = WorkerKey::new(2, 0);
     // Three chains of three blocks, each from the root: nine blocks for a rank of four.
-    let ops: Vec<KvOperation> = (0..3u64)
-        .map(|chain| KvOperation {
-            worker: rank,
-            tier: StorageTier::Device,
-            event_id: chain,
-            kind: KvOperationKind::Stored {
-                parent_hash: None,
-                blocks: (0..3u64)
-                    .map(|i| {
-                        let h = 100 * (chain + 1) + i;
-                        StoredBlock::new(ExternalHash(h), BlockHash(h))
-                    })
-                    .collect(),
-            },
-        })
-        .collect();
+    let ops = chain_stores(rank, 3, 3);
     let partition = service_builder::PartitionKey::new("default", "default");
     c.apply_events(&partition, &ops);
     let text = encode(&registry);
@@ -545,15 +561,7 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
         &text,
         "# TYPE kv_select_index_writer_step_asides_total counter",
     );
-    let bytes: u64 = text
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(
-                r#"kv_select_index_estimated_bytes{model_name="default",routing_group="default"} "#,
-            )
-        })
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no estimated bytes in:\n{text}"));
+    let bytes = estimated_bytes(&text);
     assert!(bytes > 0, "{text}");
     let counters = c.index_counters()[0].1;
     assert_eq!(counters.capacity_evicted, 5);
@@ -616,9 +624,6 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
 /// are exported.
 #[test]
 fn a_two_copy_index_reports_the_bytes_of_both_copies() {
-    use kv_types::{
-        BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier, StoredBlock,
-    };
     let bytes_with = |copies: service_builder::IndexCopies| -> (u64, String) {
         let (_ctx, _publisher, endpoint) = bound_publisher();
         let c = core(CoreConfig {
@@ -632,36 +637,13 @@ fn a_two_copy_index_reports_the_bytes_of_both_copies() {
         .unwrap();
         let mut registry = Registry::default();
         c.register_metrics(&mut registry);
-        let ops: Vec<KvOperation> = (0..50u64)
-            .map(|chain| KvOperation {
-                worker: WorkerKey::new(2, 0),
-                tier: StorageTier::Device,
-                event_id: chain,
-                kind: KvOperationKind::Stored {
-                    parent_hash: None,
-                    blocks: (0..8u64)
-                        .map(|i| {
-                            let h = 100 * (chain + 1) + i;
-                            StoredBlock::new(ExternalHash(h), BlockHash(h))
-                        })
-                        .collect(),
-                },
-            })
-            .collect();
+        let ops = chain_stores(WorkerKey::new(2, 0), 50, 8);
         c.apply_events(
             &service_builder::PartitionKey::new("default", "default"),
             &ops,
         );
         let text = encode(&registry);
-        let bytes = text
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(
-                    r#"kv_select_index_estimated_bytes{model_name="default",routing_group="default"} "#,
-                )
-            })
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no estimated bytes in:\n{text}"));
+        let bytes = estimated_bytes(&text);
         c.shutdown();
         (bytes, text)
     };
