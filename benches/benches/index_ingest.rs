@@ -9,9 +9,12 @@
 //! a mix of the engine hashes instead of the hashes of token ids. Every iteration fills a
 //! fresh index (about 4 M nodes) and drops it outside the timing, so the figure includes
 //! the page faults of a growing index, as the server pays them once.
+//!
+//! The same stream through an `IndexCell`, a batch per write as the listeners write, with
+//! one copy and with two (the index and its mirror): what the mirror costs a writer.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use kv_index::KvIndex;
+use kv_index::{IndexCell, IndexCopies, KvIndex};
 use kv_types::{
     BlockHash, ExternalHash, KvOperation, KvOperationKind, StorageTier, StoredBlock, WorkerKey,
 };
@@ -99,6 +102,23 @@ fn index_ingest(c: &mut Criterion) {
             BatchSize::PerIteration,
         );
     });
+    for (name, copies) in [
+        ("cell_one_copy", IndexCopies::One),
+        ("cell_two_copies", IndexCopies::Two),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter_batched(
+                || IndexCell::new(copies, None, || KvIndex::with_block_size(16)),
+                |cell| {
+                    for batch in &batches {
+                        cell.apply_batch(batch);
+                    }
+                    cell
+                },
+                BatchSize::PerIteration,
+            );
+        });
+    }
     group.finish();
 }
 

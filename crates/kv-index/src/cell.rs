@@ -1,6 +1,6 @@
 //! A partition's index as a service holds it: one copy behind a lock, whose lookups wait
-//! at a [`ReadGate`] for the write section in progress, or two copies (`twin.rs`), whose
-//! lookups never wait for a writer.
+//! at a [`ReadGate`] for the write section in progress, or the index and a mirror of it
+//! (`twin.rs`), whose lookups never wait for a writer.
 
 use std::time::Duration;
 
@@ -19,13 +19,14 @@ pub enum IndexCopies {
     /// 32 blocks of a listener batch, longer when its writer loses its core inside it).
     #[default]
     One,
-    /// Two copies (a left-right pair): a lookup never waits for a writer; writes cost twice
-    /// the CPU and the index twice the memory.
+    /// The index and a lookup-only mirror of it: a lookup never waits for a writer. A write
+    /// also copies what it changed into the mirror, and the mirror holds the trie again
+    /// (not the per-worker maps).
     Two,
 }
 
 impl IndexCopies {
-    /// How many copies: what the index's memory is multiplied by.
+    /// How many copies.
     pub fn count(self) -> usize {
         match self {
             IndexCopies::One => 1,
@@ -61,7 +62,8 @@ enum Kind {
     },
 }
 
-/// A lookup's hold on the index: a read guard of the one copy or of the published one.
+/// A lookup's hold on the index: a read guard of the one copy, or of the mirror or the
+/// index (whichever is not being written) with two.
 pub type IndexRead<'a> = RwLockReadGuard<'a, KvIndex>;
 
 /// What an [`IndexCell`]'s readers and writers waited for each other.
@@ -69,15 +71,15 @@ pub type IndexRead<'a> = RwLockReadGuard<'a, KvIndex>;
 pub struct IndexWaits {
     /// Lookups that waited for a write section (one copy; always zero with two).
     pub lookups: GateCounts,
-    /// Writes of a two-copy index that waited for lookups to leave the copy they changed
-    /// (zero with one copy).
+    /// Write-locks of a two-copy index that waited for lookups to leave the copy they
+    /// changed (zero with one copy).
     pub drains: u64,
     /// Of those, the ones that waited over 50 µs: a lookup lost its core while it read.
     pub drains_over_50us: u64,
     /// The longest such wait.
     pub longest_drain: Duration,
-    /// Lookups of a two-copy index that failed to read-lock a published copy eight times
-    /// in a row (publications racing them) and waited for it.
+    /// Lookups of a two-copy index that failed to read-lock either copy eight times in a
+    /// row (the writer moving between them during each try) and waited.
     pub reader_waits: u64,
 }
 
@@ -85,7 +87,7 @@ impl IndexCell {
     /// An index of `copies` copies, each made by `make` (called once per copy: it must
     /// build equal indexes). `step_aside` is the batch writers' step-aside interval
     /// ([`ReadGate::with_step_aside`]): with one copy they step aside between sections, so
-    /// that no lookup waits behind a writer that lost its core; with two, between batches,
+    /// that no lookup waits behind a writer that lost its core; with two, before batches,
     /// so that a woken HTTP thread gets a core within about that long.
     pub fn new(
         copies: IndexCopies,
@@ -113,7 +115,10 @@ impl IndexCell {
         }
     }
 
-    /// The index for a lookup; keep the hold short (a two-copy writer waits for it).
+    /// The index for a lookup; keep the hold short (a two-copy writer waits for it). With
+    /// two copies this may be the mirror, which answers lookups (matches, depths, tiered
+    /// matches, hint chains) and counters only: read sizes, dumps and capacities through
+    /// [`IndexCell::read_whole`].
     #[inline]
     pub fn read(&self) -> IndexRead<'_> {
         match &self.kind {
@@ -122,10 +127,26 @@ impl IndexCell {
         }
     }
 
-    /// Changes the index with `f`, once per copy, and returns its first result. `f` must
-    /// make the same change every time: it reads no clock of its own (callers take `now`
-    /// once, outside) and moves nothing out of its captures.
-    pub fn write<R>(&self, mut f: impl FnMut(&mut KvIndex) -> R) -> R {
+    /// The whole index, for every read (waits for a write in progress, as one copy's
+    /// lookups do).
+    pub fn read_whole(&self) -> IndexRead<'_> {
+        match &self.kind {
+            Kind::One { index, gate, .. } => gate.read(index),
+            Kind::Two { twin, .. } => twin.read_whole(),
+        }
+    }
+
+    /// Estimated bytes of every copy ([`KvIndex::estimated_bytes`]): with two, the index's
+    /// and its mirror's (a trie without per-worker maps).
+    pub fn estimated_bytes(&self) -> usize {
+        match &self.kind {
+            Kind::One { .. } => self.read_whole().estimated_bytes(),
+            Kind::Two { twin, .. } => twin.estimated_bytes(),
+        }
+    }
+
+    /// Changes the index with `f` and returns its result.
+    pub fn write<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
         match &self.kind {
             Kind::One { index, .. } => f(&mut index.write()),
             Kind::Two { twin, .. } => twin.write(f),
@@ -133,8 +154,8 @@ impl IndexCell {
     }
 
     /// Applies a listener batch in order: in short sections handed over to waiting
-    /// lookups with one copy ([`apply_batch_fairly`]), whole to each copy with two (the
-    /// writer may step aside before the batch and between the copies).
+    /// lookups with one copy ([`apply_batch_fairly`]), whole with two (the writer may step
+    /// aside before the batch).
     pub fn apply_batch(&self, ops: &[KvOperation]) {
         match &self.kind {
             Kind::One {
@@ -143,46 +164,25 @@ impl IndexCell {
                 gate,
             } => apply_batch_fairly(index, writers, gate, ops),
             Kind::Two { twin, gate } => {
-                let step_aside = || {
-                    if gate.step_aside_due() {
-                        gate.step_aside();
+                if gate.step_aside_due() {
+                    gate.step_aside();
+                }
+                twin.write(|index| {
+                    for op in ops {
+                        index.apply(op);
                     }
-                };
-                step_aside();
-                twin.write_pausing(
-                    |index| {
-                        for op in ops {
-                            index.apply(op);
-                        }
-                    },
-                    step_aside,
-                );
+                });
             }
         }
     }
 
     /// Moves this index's content into `into` and leaves `fresh()` here (a recovered
-    /// partition adopted by a new one). Both cells keep their number of copies: copies
-    /// are equal, so a two-copy destination fed from a one-copy source gets the source's
-    /// content in one copy and a replay of its snapshot operations in the other.
-    pub fn move_into(&self, into: &IndexCell, mut fresh: impl FnMut() -> KvIndex) {
-        let mut taken: Vec<KvIndex> = Vec::with_capacity(2);
-        self.write(|index| taken.push(std::mem::replace(index, fresh())));
-        let replay = match (taken.len(), into.copies()) {
-            (1, IndexCopies::Two) => taken.first().map(KvIndex::snapshot_operations),
-            _ => None,
-        };
-        into.write(|index| match taken.pop() {
-            Some(content) => *index = content,
-            None => {
-                // Only a two-copy destination of a one-copy source gets here.
-                let mut copy = fresh();
-                for op in replay.iter().flatten() {
-                    copy.apply(op);
-                }
-                *index = copy;
-            }
-        });
+    /// partition adopted by a new one).
+    pub fn move_into(&self, into: &IndexCell, fresh: impl FnOnce() -> KvIndex) {
+        let mut content = self.write(|index| std::mem::replace(index, fresh()));
+        // A two-copy source's writer left it noting changes, which nothing would clear.
+        content.log_off();
+        into.write(|index| *index = content);
     }
 
     /// What readers and writers waited for each other so far.

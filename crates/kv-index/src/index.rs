@@ -278,6 +278,9 @@ pub struct KvIndex {
     counters: ApplyCounters,
     seq_scratch: Vec<SequenceHash>,
     block_scratch: Vec<StoredBlock>,
+    /// Unique among the indexes of the process: a mirror's writer tells by it that a write
+    /// replaced the index.
+    serial: u64,
 }
 
 fn lower_slot(tier: StorageTier) -> Option<usize> {
@@ -314,6 +317,10 @@ impl KvIndex {
             counters: ApplyCounters::default(),
             seq_scratch: Vec::new(),
             block_scratch: Vec::new(),
+            serial: {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
         }
     }
 
@@ -369,6 +376,87 @@ impl KvIndex {
 
     pub fn is_approximate(&self) -> bool {
         self.primary_ttl.is_some()
+    }
+
+    /// Starts noting what writes change, for a mirror ([`KvIndex::mirror_changes`]);
+    /// forgets what was noted before. Returns `false` when the previous log was never
+    /// turned off (a write panicked while noting): a mirror then needs
+    /// [`KvIndex::mirror_all`].
+    pub(crate) fn log_on(&mut self) -> bool {
+        let clean = self.primary.log_on();
+        if let Some((side, _)) = &mut self.side {
+            side.log_on();
+        }
+        for tier in self.lower.iter_mut().flatten() {
+            tier.log_on();
+        }
+        clean
+    }
+
+    /// Unique among the indexes of this process.
+    pub(crate) fn serial(&self) -> u64 {
+        self.serial
+    }
+
+    /// Stops noting changes. Returns whether the log was on.
+    pub(crate) fn log_off(&mut self) -> bool {
+        if let Some((side, _)) = &mut self.side {
+            side.log_off();
+        }
+        for tier in self.lower.iter_mut().flatten() {
+            tier.log_off();
+        }
+        self.primary.log_off()
+    }
+
+    /// Makes this mirror answer every lookup as `src` does, given that it did before the
+    /// changes `src` noted since its [`KvIndex::log_on`]. A mirror answers lookups
+    /// (matches, depths, tiered matches, hint chains) and counters; its dumps, byte and
+    /// membership figures and capacities are not the source's.
+    pub(crate) fn mirror_changes(&mut self, src: &KvIndex) {
+        self.primary.mirror_changes(&src.primary);
+        if let (Some((mine, _)), Some((theirs, _))) = (&mut self.side, &src.side) {
+            mine.mirror_changes(theirs);
+        }
+        for (mine, theirs) in self.lower.iter_mut().zip(&src.lower) {
+            match (mine.as_mut(), theirs) {
+                (Some(mine), Some(theirs)) => mine.mirror_changes(theirs),
+                // Made by this write, before its log could be on.
+                (None, Some(theirs)) => mine
+                    .get_or_insert_with(LowerTierIndex::new)
+                    .mirror_all(theirs),
+                (_, None) => *mine = None,
+            }
+        }
+        self.counters = src.counters;
+    }
+
+    /// Makes this mirror answer every lookup as `src` does, whatever it held (O(`src`)).
+    pub(crate) fn mirror_all(&mut self, src: &KvIndex) {
+        // The source's shape (it may be another cell's index, moved in); a mirror's own
+        // timers are never armed: every write goes to the source.
+        self.block_size = src.block_size;
+        self.primary_ttl = src
+            .primary_ttl
+            .as_ref()
+            .map(|a| Approx::new(a.timers.empty_like()));
+        self.side = src
+            .side
+            .as_ref()
+            .map(|(_, a)| (PrefixIndex::new(), Approx::new(a.timers.empty_like())));
+        self.primary.mirror_all(&src.primary);
+        if let (Some((mine, _)), Some((theirs, _))) = (&mut self.side, &src.side) {
+            mine.mirror_all(theirs);
+        }
+        for (mine, theirs) in self.lower.iter_mut().zip(&src.lower) {
+            match theirs {
+                Some(theirs) => mine
+                    .get_or_insert_with(LowerTierIndex::new)
+                    .mirror_all(theirs),
+                None => *mine = None,
+            }
+        }
+        self.counters = src.counters;
     }
 
     /// Applies one normalized operation, routing it by tier (kv-events §7.4).

@@ -20,6 +20,10 @@ struct Edge {
 pub struct LowerTierIndex {
     edges: FxHashMap<EdgeKey, Edge>,
     workers: FxHashMap<WorkerKey, FxHashMap<ExternalHash, EdgeKey>>,
+    /// Whether changed edges are noted, for a mirror ([`LowerTierIndex::mirror_changes`]).
+    logging: bool,
+    /// Edges changed while `logging`, repeats included.
+    touched: Vec<EdgeKey>,
 }
 
 impl LowerTierIndex {
@@ -67,6 +71,9 @@ impl LowerTierIndex {
             if map.get(&block.block_hash).is_some_and(|k| *k != key) {
                 break;
             }
+            if self.logging {
+                self.touched.push(key);
+            }
             let edge = self.edges.entry(key).or_insert_with(|| Edge {
                 child: block.block_hash,
                 owners: Vec::new(),
@@ -96,6 +103,9 @@ impl LowerTierIndex {
         for hash in hashes {
             if let Some(key) = map.remove(hash) {
                 removed += 1;
+                if self.logging {
+                    self.touched.push(key);
+                }
                 drop_owner(&mut self.edges, key, worker);
             }
         }
@@ -111,9 +121,47 @@ impl LowerTierIndex {
             return false;
         };
         for (_, key) in map {
+            if self.logging {
+                self.touched.push(key);
+            }
             drop_owner(&mut self.edges, key, worker);
         }
         true
+    }
+
+    /// Starts noting changed edges; forgets those noted before.
+    pub(crate) fn log_on(&mut self) {
+        self.logging = true;
+        self.touched.clear();
+    }
+
+    pub(crate) fn log_off(&mut self) {
+        self.logging = false;
+    }
+
+    /// Makes this mirror's edges (all a lookup reads) equal to `src`'s, given that they were
+    /// before the changes `src` noted. A mirror keeps no per-worker maps: its membership
+    /// and byte figures are not the source's.
+    pub(crate) fn mirror_changes(&mut self, src: &LowerTierIndex) {
+        for key in &src.touched {
+            match src.edges.get(key) {
+                Some(edge) => match self.edges.get_mut(key) {
+                    Some(mine) => mine.clone_from(edge),
+                    None => {
+                        self.edges.insert(*key, edge.clone());
+                    }
+                },
+                None => {
+                    self.edges.remove(key);
+                }
+            }
+        }
+    }
+
+    /// Makes this mirror's edges equal to `src`'s, whatever they were (O(`src`)).
+    pub(crate) fn mirror_all(&mut self, src: &LowerTierIndex) {
+        self.edges.clone_from(&src.edges);
+        self.workers.clear();
     }
 
     /// Removes every rank of `worker_id`.

@@ -55,6 +55,16 @@ impl Owners {
         }
     }
 
+    /// Makes this set equal to `src`, reusing this set's heap vector when both are on the
+    /// heap (a mirror copies a shared prefix's owner set at every change of it).
+    #[inline]
+    pub(crate) fn copy_from(&mut self, src: &Owners) {
+        match (&mut *self, src) {
+            (Owners::Heap(mine), Owners::Heap(theirs)) => mine.clone_from(theirs),
+            _ => *self = src.clone(),
+        }
+    }
+
     /// Heap bytes owned by this set (0 when inline).
     pub(crate) fn heap_bytes(&self) -> usize {
         match self {

@@ -32,6 +32,11 @@ impl TtlTracker {
         }
     }
 
+    /// A tracker with this one's TTL and grid and no timers.
+    pub(crate) fn empty_like(&self) -> Self {
+        TtlTracker::new(self.ttl(), self.origin)
+    }
+
     pub fn ttl(&self) -> Duration {
         Duration::from_micros(self.ttl_us)
     }

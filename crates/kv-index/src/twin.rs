@@ -1,22 +1,25 @@
-//! Two copies of one partition's index, so that lookups never wait for a writer
-//! (a left-right pair).
+//! A partition's index and a mirror of it, so that lookups never wait for a writer.
 //!
-//! Readers read whichever copy is published; a writer changes the other one, publishes
-//! it, waits until the readers that were still in the old copy have left it, and makes
-//! the same change there. A lookup therefore never waits for a write, however long a
-//! write section runs or however long its writer is off its core; the writer waits for
-//! lookups instead, which take microseconds. The price is the index's memory and write
-//! work, both twice over, and lookups that see a change only once its first copy is
-//! published.
+//! Every write changes the whole index (the source: per-worker maps, capacities, timers,
+//! everything) while the mirror, which answers lookups only (`primary/mirror.rs`), stays
+//! readable. The writer then lets lookups read the source, which it now only reads,
+//! while it brings the mirror up to date by copying what the write touched. At every
+//! moment one of the two is open for reading, so a lookup never waits for a write,
+//! however long a write section runs or however long its writer is off its core; the
+//! writer waits for lookups instead, which take microseconds.
 //!
-//! Each copy sits behind its own lock, which does the bookkeeping of who reads it: a
-//! reader only ever *tries* to read-lock the published copy. That fails only when the
-//! reader read `published` just before a writer published the other copy and the writer
-//! has since write-locked this one (to change it, or waiting for its readers to leave);
-//! the reader then reads `published` again and gets the new copy, which its writer has
-//! finished. The writer's write lock on the old copy is the wait for its readers.
+//! The mirror costs a fraction of a second copy: the source notes the nodes, child links
+//! and worker slots a write changed, and the mirror copies those instead of applying the
+//! write again (its per-worker maps, most of a write's cost, do not exist). What lookups
+//! see only moves forward: the mirror, one write behind, while the source is written; the
+//! source, with that write, while the mirror catches up.
+//!
+//! Each copy sits behind its own lock, which does the bookkeeping of who reads it; a
+//! reader only ever *tries* to read-lock either. A try fails only for the copy being
+//! written, so the other one's try succeeds unless the writer moved on in between; the
+//! writer's write lock is its wait for the readers of the copy it changes.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -24,23 +27,25 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::index::KvIndex;
 
 /// A wait of a writer for readers longer than this is counted: a reader that lost its
-/// core in the old copy (the wait a single lock would have made a lookup suffer, moved
-/// to the writer).
+/// core in the copy the writer changes (the wait a single lock would have made a lookup
+/// suffer, moved to the writer).
 const LONG_DRAIN: Duration = Duration::from_micros(50);
 
-/// Tries of a reader before it waits for the published copy's lock. A try fails only
-/// across a publication, and the next one reads the copy just published, so a second
-/// failure needs two publications during one reader's two tries; waiting is a fallback
-/// that is counted, not a path.
+/// Tries of a reader (each at both copies) before it waits for the mirror's lock. A try
+/// fails only when the writer moved from one copy to the other during it; waiting is a
+/// fallback that is counted, not a path.
 const READ_TRIES: u32 = 8;
 
-/// Two equal [`KvIndex`]es, one published for readers at any time, changed by one writer
-/// at a time.
+/// An index and its mirror: written by one writer at a time, read without waiting.
 pub(crate) struct Twin {
-    copies: [RwLock<KvIndex>; 2],
-    /// The copy readers read (0 or 1). Changed only under `writer`.
-    published: AtomicUsize,
-    writer: Mutex<()>,
+    /// The index every write changes, with everything a write or a cold read needs.
+    whole: RwLock<KvIndex>,
+    /// What lookups read while `whole` is written: equal to it for every lookup once the
+    /// writer has mirrored its last write.
+    mirror: RwLock<KvIndex>,
+    /// The writers' turn, and whether the mirror must be copied whole at the next write
+    /// (a write or a mirroring that panicked left it unknown).
+    writer: Mutex<bool>,
     drains: AtomicU64,
     long_drains: AtomicU64,
     longest_drain_ns: AtomicU64,
@@ -50,7 +55,7 @@ pub(crate) struct Twin {
 /// What a [`Twin`]'s writers and readers waited.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub(crate) struct TwinCounts {
-    /// Writes whose second half waited for readers to leave the old copy.
+    /// Write-locks of either copy that waited for its readers to leave.
     pub(crate) drains: u64,
     pub(crate) drains_over_50us: u64,
     pub(crate) longest_drain: Duration,
@@ -59,13 +64,13 @@ pub(crate) struct TwinCounts {
 }
 
 impl Twin {
-    /// Two copies made by `make`, which must build equal indexes (the same config and
-    /// origin), since every later change is applied to both.
+    /// The index and its mirror, both made by `make`, which must build equal indexes (the
+    /// same config and origin).
     pub(crate) fn new(mut make: impl FnMut() -> KvIndex) -> Self {
         Twin {
-            copies: [RwLock::new(make()), RwLock::new(make())],
-            published: AtomicUsize::new(0),
-            writer: Mutex::new(()),
+            whole: RwLock::new(make()),
+            mirror: RwLock::new(make()),
+            writer: Mutex::new(false),
             drains: AtomicU64::new(0),
             long_drains: AtomicU64::new(0),
             longest_drain_ns: AtomicU64::new(0),
@@ -73,53 +78,64 @@ impl Twin {
         }
     }
 
-    /// The published copy; does not wait for a writer.
+    /// The mirror or, while it is being brought up to date, the index; does not wait for a
+    /// writer. Answers lookups only (see [`KvIndex::mirror_changes`]).
     #[inline]
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, KvIndex> {
         for _ in 0..READ_TRIES {
-            let copy = self.published.load(Ordering::Acquire);
-            if let Some(guard) = self.copies[copy].try_read() {
+            if let Some(guard) = self.mirror.try_read() {
+                return guard;
+            }
+            if let Some(guard) = self.whole.try_read() {
                 return guard;
             }
         }
         self.reader_waits.fetch_add(1, Ordering::Relaxed);
-        self.copies[self.published.load(Ordering::Acquire)].read()
+        self.mirror.read()
     }
 
-    /// Applies `f` to both copies, one after the other, and returns its first result.
-    /// `f` must change both copies the same way (it gets no clock or randomness of its
-    /// own: callers read `now` once, outside).
-    pub(crate) fn write<R>(&self, f: impl FnMut(&mut KvIndex) -> R) -> R {
-        self.write_pausing(f, || ())
+    /// The index itself, for reads a mirror cannot answer (dumps, sizes, capacities);
+    /// waits for a write in progress.
+    pub(crate) fn read_whole(&self) -> RwLockReadGuard<'_, KvIndex> {
+        self.whole.read()
     }
 
-    /// [`Twin::write`], calling `pause` between the two copies' changes, when the first is
-    /// published and the writer holds no copy's lock (a yield there keeps no lookup
-    /// waiting).
-    pub(crate) fn write_pausing<R>(
-        &self,
-        mut f: impl FnMut(&mut KvIndex) -> R,
-        pause: impl FnOnce(),
-    ) -> R {
-        let _turn = self.writer.lock();
-        let old = self.published.load(Ordering::Relaxed);
-        let new = 1 - old;
-        // Readers are rarely in `new`: only those that read `published` before the last
-        // publication and have not finished yet.
-        let out = f(&mut self.lock(new));
-        self.published.store(new, Ordering::Release);
-        pause();
-        f(&mut self.lock(old));
+    /// Estimated bytes of the index and its mirror.
+    pub(crate) fn estimated_bytes(&self) -> usize {
+        self.whole.read().estimated_bytes() + self.mirror.read().estimated_bytes()
+    }
+
+    /// Applies `f` to the index, mirrors what it changed, and returns its result.
+    pub(crate) fn write<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
+        let mut unknown = self.writer.lock();
+        let mut whole = self.lock(&self.whole);
+        let clean = whole.log_on();
+        let serial = whole.serial();
+        let was_unknown = std::mem::replace(&mut *unknown, true);
+        let out = f(&mut whole);
+        // Another serial means `f` replaced the index: the log is not of this one.
+        let noted = whole.log_off() && whole.serial() == serial;
+        // Readers find the index open from here on, with this write in it; none reads it
+        // before the mirror is locked (a reader tries the mirror first), so what lookups
+        // see never goes back.
+        let whole = RwLockWriteGuard::downgrade(whole);
+        let mut mirror = self.lock(&self.mirror);
+        if clean && noted && !was_unknown {
+            mirror.mirror_changes(&whole);
+        } else {
+            mirror.mirror_all(&whole);
+        }
+        *unknown = false;
         out
     }
 
     /// Write-locks `copy`, counting a wait for its readers.
-    fn lock(&self, copy: usize) -> RwLockWriteGuard<'_, KvIndex> {
-        if let Some(guard) = self.copies[copy].try_write() {
+    fn lock<'a>(&self, copy: &'a RwLock<KvIndex>) -> RwLockWriteGuard<'a, KvIndex> {
+        if let Some(guard) = copy.try_write() {
             return guard;
         }
         let since = Instant::now();
-        let guard = self.copies[copy].write();
+        let guard = copy.write();
         let waited = since.elapsed();
         self.drains.fetch_add(1, Ordering::Relaxed);
         if waited > LONG_DRAIN {
@@ -141,15 +157,13 @@ impl Twin {
 
     #[cfg(test)]
     fn into_inner(self) -> [KvIndex; 2] {
-        self.copies.map(RwLock::into_inner)
+        [self.whole.into_inner(), self.mirror.into_inner()]
     }
 }
 
 impl std::fmt::Debug for Twin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Twin")
-            .field("published", &self.published.load(Ordering::Relaxed))
-            .finish_non_exhaustive()
+        f.debug_struct("Twin").finish_non_exhaustive()
     }
 }
 
@@ -198,7 +212,7 @@ mod tests {
     }
 
     #[test]
-    fn a_writer_waits_for_a_reader_in_the_old_copy_and_readers_never_wait() {
+    fn a_writer_waits_for_a_reader_of_the_mirror_and_readers_never_wait() {
         let twin = Arc::new(Twin::new(|| KvIndex::with_block_size(16)));
         let held = twin.read();
         let done = Arc::new(AtomicBool::new(false));
@@ -209,30 +223,55 @@ mod tests {
                 done.store(true, Ordering::SeqCst);
             })
         };
-        // The writer published the other copy and waits for `held` to leave the old one;
-        // meanwhile a new reader gets the published copy at once, with the change in it.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while twin.published.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
-            std::thread::yield_now();
-        }
-        assert!(
+        // The writer changed the index and waits for `held` to leave the mirror; meanwhile
+        // a new reader gets the index at once, with the change in it.
+        let holds = |twin: &Twin| {
             twin.read()
                 .primary()
                 .holds(WorkerKey::new(1, 0), &[BlockHash(1), BlockHash(2)])
-        );
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !holds(&twin) && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert!(holds(&twin));
         std::thread::sleep(Duration::from_millis(20));
         assert!(
             !done.load(Ordering::SeqCst),
-            "the writer changed a copy being read"
+            "the writer changed a mirror being read"
         );
         assert!(!held.primary().holds(WorkerKey::new(1, 0), &[BlockHash(1)]));
         drop(held);
         writer.join().expect("writer");
         assert!(done.load(Ordering::SeqCst));
+        assert!(holds(&twin));
         let counts = twin.counts();
         assert_eq!(counts.drains, 1);
         assert_eq!(counts.drains_over_50us, 1);
         assert!(counts.longest_drain >= Duration::from_millis(20));
         assert_eq!(counts.reader_waits, 0);
+    }
+
+    #[test]
+    fn a_write_that_panics_leaves_the_next_write_to_copy_the_mirror_whole() {
+        let twin = Twin::new(|| KvIndex::with_block_size(16));
+        twin.write(|i| i.apply(&store(1, 1, 4)));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            twin.write(|i| {
+                i.apply(&store(2, 1, 4));
+                panic!("a bug in the index");
+            })
+        }));
+        assert!(panicked.is_err());
+        twin.write(|i| i.apply(&store(3, 1, 2)));
+        let query: Vec<BlockHash> = (1..5).map(BlockHash).collect();
+        let [whole, mirror] = twin.into_inner();
+        let (mut a, mut b) = (OverlapScores::new(), OverlapScores::new());
+        whole.find_matches(&query, &mut a);
+        mirror.find_matches(&query, &mut b);
+        a.sort_by_worker();
+        b.sort_by_worker();
+        assert_eq!(a.entries().len(), 3);
+        assert_eq!(a.entries(), b.entries());
     }
 }

@@ -134,7 +134,9 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         .partition_list()
         .iter()
         .map(|p| {
-            let index = p.index.read();
+            // Before the read below: it takes every copy's lock in turn.
+            let bytes = p.index.estimated_bytes();
+            let index = p.index.read_whole();
             let stats = index.primary_stats();
             let memberships = StorageTier::ALL.map(|tier| match tier {
                 StorageTier::Device => stats.memberships,
@@ -146,8 +148,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
                 counters: index.counters(),
                 blocks: stats.nodes,
                 memberships,
-                // Every copy holds it all.
-                bytes: index.estimated_bytes() * p.index.copies().count(),
+                bytes,
                 evictions: index.primary().capacity_evictions().collect(),
                 queued: p.queue.as_ref().map(|q| q.pending()),
                 routing: p.routing.snapshot(),
@@ -211,7 +212,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         enc,
         "index_estimated_bytes",
         "Estimated bytes allocated by the partition's index (all tiers and the side index, \
-         times the copies kept with --kv-index-copies).",
+         and with --kv-index-copies 2 its mirror as well).",
         MetricType::Gauge,
         snapshot.iter().map(|r| (part(r), r.bytes as u64)),
     )?;

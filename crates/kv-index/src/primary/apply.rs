@@ -96,16 +96,16 @@ impl PrefixIndex {
                 }
             };
             let child_new = existing.is_none();
-            let nodes = &self.nodes;
+            let (nodes, log) = (&self.nodes, &mut self.own_log);
             let previous = self.workers[slot as usize].as_mut().and_then(|state| {
                 if gain && let Some(cap) = &mut state.cap {
                     cap.gained(child, nodes[child as usize].tag(), cur);
                 }
                 if child_new {
                     // A new node's `external` is this block's hash.
-                    state.insert_own(nodes, block.block_hash, child)
+                    state.insert_own(nodes, block.block_hash, child, log)
                 } else {
-                    state.insert(nodes, block.block_hash, child)
+                    state.insert(nodes, block.block_hash, child, log)
                 }
             });
             if previous != Some(child) {
@@ -161,7 +161,7 @@ impl PrefixIndex {
         found.clear();
         self.memo = Memo::default();
         for &hash in hashes {
-            match state.remove(&self.nodes, hash) {
+            match state.remove(&self.nodes, hash, &mut self.own_log) {
                 Some(node) => found.push(node),
                 None => out.not_found += 1,
             }

@@ -44,7 +44,7 @@ impl PrefixIndex {
         let mut run: Vec<u32> = Vec::new();
         let mut own: Vec<StoredBlock> = Vec::new();
         let mut keys: Vec<(WorkerKey, u32)> = Vec::new();
-        let nodes = self.nodes.as_slice();
+        let nodes = self.nodes.items();
         while let Some((head, parent, parent_reach)) = queue.pop_front() {
             let owners = self.nodes[head as usize].owners.as_slice();
             let reach: Vec<u32> = if parent.is_none() {

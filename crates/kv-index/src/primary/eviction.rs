@@ -131,7 +131,7 @@ impl PrefixIndex {
             };
             let parent = nodes[victim as usize].parent;
             cap.lost(parent);
-            let unmapped = state.unmap(nodes, victim);
+            let unmapped = state.unmap(nodes, victim, &mut self.own_log);
             state.owned -= 1;
             let n = &mut self.nodes[victim as usize];
             n.refs -= unmapped;

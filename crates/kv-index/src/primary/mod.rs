@@ -2,6 +2,7 @@
 //!
 //! The files, each building only on the ones listed before it:
 //! - `node`: the slab entry, its reserved ids and first-child bits.
+//! - `logged`: the containers that note what a change touched, for a mirror.
 //! - `worker`: one worker key's hash-to-node maps, version and capacity bookkeeping.
 //! - `scores`: the caller-owned answer buffers of a query.
 //! - `trie`: [`PrefixIndex`] itself, its storage and the structural upkeep of every change.
@@ -9,6 +10,7 @@
 //! - `eviction`: declared capacities and the evictions they force.
 //! - `query`: prefix matches, hint chains and block checks.
 //! - `dump`: the trie as `/dump` runs.
+//! - `mirror`: a lookup-only copy of the trie, kept by copying what each write touched.
 //!
 //! Each file's unit tests sit beside its code; `tests` holds what they share and the test of
 //! the whole trie under random operations.
@@ -16,6 +18,8 @@
 mod apply;
 mod dump;
 mod eviction;
+mod logged;
+mod mirror;
 mod node;
 mod query;
 mod scores;

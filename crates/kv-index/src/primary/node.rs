@@ -43,6 +43,19 @@ impl Node {
         self.external as u32
     }
 
+    /// Makes this node equal to `src` without allocating where it can
+    /// ([`Owners::copy_from`]).
+    #[inline]
+    pub(super) fn copy_from(&mut self, src: &Node) {
+        self.local = src.local;
+        self.external = src.external;
+        self.parent = src.parent;
+        self.first_child = src.first_child;
+        self.kids = src.kids;
+        self.refs = src.refs;
+        self.owners.copy_from(&src.owners);
+    }
+
     pub(super) fn new(parent: u32, local: u64, external: u64) -> Self {
         Node {
             local,

@@ -60,7 +60,7 @@ impl PrefixIndex {
         out.entries.clear();
         out.slots.clear();
         let (entries, slots) = (&mut out.entries, &mut out.slots);
-        let (workers, nodes) = (&self.workers, self.nodes.as_slice());
+        let (workers, nodes) = (&self.workers, self.nodes.items());
         self.walk(query, &mut out.active, |slot, depth, last| {
             if let Some(state) = workers[slot as usize].as_ref() {
                 entries.push(OverlapEntry {
@@ -109,7 +109,7 @@ impl PrefixIndex {
         let Some(mut node) = self.child(ROOT, first.0) else {
             return;
         };
-        let nodes = self.nodes.as_slice();
+        let nodes = self.nodes.items();
         active.extend_from_slice(nodes[node as usize].owners.as_slice());
         if active.is_empty() {
             return;

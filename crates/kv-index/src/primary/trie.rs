@@ -6,10 +6,10 @@
 use kv_types::WorkerKey;
 use rustc_hash::FxHashMap;
 
+use super::logged::{Branches, Logged, OwnLog};
 use super::node::{FC_SAME, KIDS, Memo, NONE, Node, ROOT};
 use super::worker::WorkerState;
 use crate::capacity::Capacity;
-use crate::sharded::ShardedMap;
 
 /// Size figures of a [`PrefixIndex`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -27,12 +27,14 @@ pub struct PrefixIndexStats {
 /// Single-writer: wrap it (see [`crate::SharedKvIndex`]) to share it between tasks.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    pub(super) nodes: Vec<Node>,
+    pub(super) nodes: Logged<Node>,
     pub(super) free_nodes: Vec<u32>,
     /// Children other than a node's inline first child, keyed by (parent, local hash).
     /// Grows in shards, so no store moves the whole map under the write lock.
-    pub(super) branches: ShardedMap<(u32, u64), u32>,
-    pub(super) workers: Vec<Option<WorkerState>>,
+    pub(super) branches: Branches,
+    pub(super) workers: Logged<Option<WorkerState>>,
+    /// Own-hash changes of the worker states, for a mirror (see `logged.rs`).
+    pub(super) own_log: OwnLog,
     pub(super) slot_of: FxHashMap<WorkerKey, u32>,
     pub(super) free_slots: Vec<u32>,
     pub(super) live_nodes: usize,
@@ -72,10 +74,11 @@ pub(super) fn next_layout() -> u64 {
 impl PrefixIndex {
     pub fn new() -> Self {
         PrefixIndex {
-            nodes: vec![Node::new(NONE, 0, 0)],
+            nodes: Logged::new(vec![Node::new(NONE, 0, 0)]),
             free_nodes: Vec::new(),
-            branches: ShardedMap::default(),
-            workers: Vec::new(),
+            branches: Branches::default(),
+            workers: Logged::new(Vec::new()),
+            own_log: OwnLog::default(),
             slot_of: FxHashMap::default(),
             free_slots: Vec::new(),
             live_nodes: 0,
@@ -159,19 +162,13 @@ impl PrefixIndex {
             return slot;
         }
         self.versions += 1;
-        let mut state = WorkerState::new(worker, self.versions);
+        let slot = self
+            .free_slots
+            .pop()
+            .unwrap_or_else(|| self.workers.push(None));
+        let mut state = WorkerState::new(worker, slot, self.versions);
         state.cap = self.limits.get(&worker).map(|&limit| Capacity::new(limit));
-        let slot = match self.free_slots.pop() {
-            Some(slot) => {
-                self.workers[slot as usize] = Some(state);
-                slot
-            }
-            None => {
-                self.workers.push(Some(state));
-                // More than 4 billion worker keys in one partition is not a real case.
-                (self.workers.len() - 1) as u32
-            }
-        };
+        self.workers[slot as usize] = Some(state);
         self.slot_of.insert(worker, slot);
         self.layout = next_layout();
         slot
@@ -214,11 +211,7 @@ impl PrefixIndex {
                 self.nodes[id as usize] = node;
                 id
             }
-            None => {
-                self.nodes.push(node);
-                // 4 billion nodes would be ~200 GB: not reachable in practice.
-                (self.nodes.len() - 1) as u32
-            }
+            None => self.nodes.push(node),
         };
         if parent_new {
             let p = &mut self.nodes[parent as usize];
@@ -227,13 +220,7 @@ impl PrefixIndex {
             self.live_nodes += 1;
             return id;
         }
-        let (p, c) = if (parent as usize) < (id as usize) {
-            let (a, b) = self.nodes.split_at_mut(id as usize);
-            (&mut a[parent as usize], &b[0])
-        } else {
-            let (a, b) = self.nodes.split_at_mut(parent as usize);
-            (&mut b[0], &a[id as usize])
-        };
+        let (p, c) = self.nodes.pair_mut(parent as usize, id as usize);
         p.kids += 1;
         if p.first_child == NONE {
             p.first_child = id;

@@ -3,6 +3,7 @@
 
 use kv_types::{ExternalHash, WorkerKey};
 
+use super::logged::OwnLog;
 use super::node::Node;
 use crate::capacity::Capacity;
 use crate::sharded::{ShardedMap, ShardedTable};
@@ -10,6 +11,11 @@ use crate::sharded::{ShardedMap, ShardedTable};
 #[derive(Debug)]
 pub(super) struct WorkerState {
     pub(super) key: WorkerKey,
+    /// Its slot in the trie.
+    pub(super) slot: u32,
+    /// The index's version when the state was made: unique among the states an index
+    /// ever made, so a mirror tells a reused slot's new state from the old one.
+    pub(super) birth: u64,
     /// External hash → node, per the spec's per-worker block identity, for the usual case
     /// where the hash is the node's own `external`: the node id and 32 bits of the hash
     /// are stored ([`BlockEntry`]) and the key is read from the node (a node with a map
@@ -81,9 +87,11 @@ fn is_entry_of(nodes: &[Node], entry: &BlockEntry, bits: u32, ext: ExternalHash)
 }
 
 impl WorkerState {
-    pub(super) fn new(key: WorkerKey, version: u64) -> Self {
+    pub(super) fn new(key: WorkerKey, slot: u32, version: u64) -> Self {
         WorkerState {
             key,
+            slot,
+            birth: version,
             blocks: ShardedTable::new(),
             foreign: ShardedMap::default(),
             own_at: ShardedMap::default(),
@@ -110,9 +118,15 @@ impl WorkerState {
 
     /// Maps `ext` to `node`; returns the previous node.
     #[inline]
-    pub(super) fn insert(&mut self, nodes: &[Node], ext: ExternalHash, node: u32) -> Option<u32> {
+    pub(super) fn insert(
+        &mut self,
+        nodes: &[Node],
+        ext: ExternalHash,
+        node: u32,
+        log: &mut OwnLog,
+    ) -> Option<u32> {
         if nodes[node as usize].external == ext.0 {
-            self.insert_own(nodes, ext, node)
+            self.insert_own(nodes, ext, node, log)
         } else {
             let bits = hash_bits(ext.0);
             let previous = self
@@ -121,8 +135,9 @@ impl WorkerState {
                 .map(|e| e.node);
             let moved = self.foreign.insert(ext, node);
             if let Some(old) = moved {
-                self.forget_own(old, ext);
+                self.forget_own(old, ext, log);
             }
+            log.note(self.slot, node);
             self.aliased |= self
                 .own_at
                 .insert(node, ext)
@@ -139,6 +154,7 @@ impl WorkerState {
         nodes: &[Node],
         ext: ExternalHash,
         node: u32,
+        log: &mut OwnLog,
     ) -> Option<u32> {
         debug_assert_eq!(nodes[node as usize].external, ext.0);
         let bits = hash_bits(ext.0);
@@ -147,10 +163,11 @@ impl WorkerState {
         } else {
             // The latest store names `node` by the node's own hash. A foreign hash
             // that still maps here is no longer named by `own_at`.
+            log.note(self.slot, node);
             self.aliased |= self.own_at.remove(&node).is_some();
             let previous = self.foreign.remove(&ext);
             if let Some(old) = previous {
-                self.forget_own(old, ext);
+                self.forget_own(old, ext, log);
             }
             previous
         };
@@ -167,8 +184,9 @@ impl WorkerState {
 
     /// Drops `node`'s own-hash entry if it is `ext` (whose `foreign` entry just went).
     #[inline]
-    fn forget_own(&mut self, node: u32, ext: ExternalHash) {
+    fn forget_own(&mut self, node: u32, ext: ExternalHash, log: &mut OwnLog) {
         if self.own_at.get(&node) == Some(&ext) {
+            log.note(self.slot, node);
             self.own_at.remove(&node);
         }
     }
@@ -186,11 +204,16 @@ impl WorkerState {
 
     /// Forgets `ext`; returns the node it mapped to.
     #[inline]
-    pub(super) fn remove(&mut self, nodes: &[Node], ext: ExternalHash) -> Option<u32> {
+    pub(super) fn remove(
+        &mut self,
+        nodes: &[Node],
+        ext: ExternalHash,
+        log: &mut OwnLog,
+    ) -> Option<u32> {
         if !self.foreign.is_empty()
             && let Some(node) = self.foreign.remove(&ext)
         {
-            self.forget_own(node, ext);
+            self.forget_own(node, ext, log);
             return Some(node);
         }
         let bits = hash_bits(ext.0);
@@ -200,7 +223,7 @@ impl WorkerState {
     }
 
     /// Forgets every hash this worker maps to `node`; returns how many there were.
-    pub(super) fn unmap(&mut self, nodes: &[Node], node: u32) -> u32 {
+    pub(super) fn unmap(&mut self, nodes: &[Node], node: u32, log: &mut OwnLog) -> u32 {
         let mut unmapped = 0;
         if self
             .blocks
@@ -214,6 +237,7 @@ impl WorkerState {
         if self.foreign.is_empty() {
             return unmapped;
         }
+        log.note(self.slot, node);
         if let Some(ext) = self.own_at.remove(&node)
             && self.foreign.get(&ext) == Some(&node)
         {
@@ -246,6 +270,7 @@ mod tests {
     use kv_types::{ExternalHash, WorkerKey};
 
     use super::{BITS_FACTOR, WorkerState, hash_bits};
+    use crate::primary::logged::OwnLog;
     use crate::primary::node::{NONE, Node};
     use crate::primary::tests::{blocks, q};
     use crate::{OverlapScores, PrefixIndex, PrefixIndexStats, StoreOutcome};
@@ -271,10 +296,13 @@ mod tests {
     fn filled(exts: &[u64]) -> (WorkerState, Vec<Node>) {
         let mut nodes = vec![Node::new(NONE, 0, 0)];
         nodes.extend(exts.iter().map(|&e| Node::new(0, e, e)));
-        let mut state = WorkerState::new(WorkerKey::new(1, 0), 1);
+        let mut state = WorkerState::new(WorkerKey::new(1, 0), 0, 1);
         for (i, &e) in exts.iter().enumerate() {
             let node = i as u32 + 1;
-            assert_eq!(state.insert_own(&nodes, ExternalHash(e), node), None);
+            assert_eq!(
+                state.insert_own(&nodes, ExternalHash(e), node, &mut OwnLog::default()),
+                None
+            );
         }
         (state, nodes)
     }
@@ -312,13 +340,22 @@ mod tests {
         check(&state, &nodes, &model);
         for &absent in &same[1_000..] {
             assert_eq!(state.get(&nodes, ExternalHash(absent)), None);
-            assert_eq!(state.remove(&nodes, ExternalHash(absent)), None);
+            assert_eq!(
+                state.remove(&nodes, ExternalHash(absent), &mut OwnLog::default()),
+                None
+            );
         }
         // Storing a colliding hash again replaces its own entry only.
-        assert_eq!(state.insert_own(&nodes, ExternalHash(same[7]), 8), Some(8));
+        assert_eq!(
+            state.insert_own(&nodes, ExternalHash(same[7]), 8, &mut OwnLog::default()),
+            Some(8)
+        );
         for &e in same[..1_000].iter().step_by(3) {
             let node = model.remove(&e);
-            assert_eq!(state.remove(&nodes, ExternalHash(e)), node);
+            assert_eq!(
+                state.remove(&nodes, ExternalHash(e), &mut OwnLog::default()),
+                node
+            );
         }
         check(&state, &nodes, &model);
     }
@@ -358,18 +395,28 @@ mod tests {
         for (i, &e) in exts.iter().enumerate() {
             let node = i as u32 + 1;
             match i % 3 {
-                0 => assert_eq!(state.remove(&nodes, ExternalHash(e)), Some(node)),
-                1 => assert_eq!(state.unmap(&nodes, node), 1),
+                0 => assert_eq!(
+                    state.remove(&nodes, ExternalHash(e), &mut OwnLog::default()),
+                    Some(node)
+                ),
+                1 => assert_eq!(state.unmap(&nodes, node, &mut OwnLog::default()), 1),
                 _ => continue,
             }
             model.remove(&e);
             assert_eq!(state.get(&nodes, ExternalHash(e)), None);
-            assert_eq!(state.remove(&nodes, ExternalHash(e)), None);
-            assert_eq!(state.unmap(&nodes, node), 0);
+            assert_eq!(
+                state.remove(&nodes, ExternalHash(e), &mut OwnLog::default()),
+                None
+            );
+            assert_eq!(state.unmap(&nodes, node, &mut OwnLog::default()), 0);
         }
         check(&state, &nodes, &model);
         for &e in model.keys() {
-            assert!(state.remove(&nodes, ExternalHash(e)).is_some());
+            assert!(
+                state
+                    .remove(&nodes, ExternalHash(e), &mut OwnLog::default())
+                    .is_some()
+            );
         }
         assert!(state.blocks.is_empty());
     }

@@ -359,7 +359,7 @@ impl SelectionCore {
             self.config.kv_writer_step_aside,
             || KvIndex::new(&icfg, origin),
         );
-        let records_decisions = records_decisions(&index.read());
+        let records_decisions = records_decisions(&index.read_whole());
         Partition {
             key,
             block_size,

@@ -47,7 +47,7 @@ impl SelectionCore {
 /// per-rank counter in `/metrics` tells them apart).
 fn warn_capacity_evictions(p: &Partition, worker: WorkerKey) {
     let (total, rank_total) = {
-        let index = p.index.read();
+        let index = p.index.read_whole();
         (
             index.counters().capacity_evicted,
             index.primary().capacity_evicted(worker),

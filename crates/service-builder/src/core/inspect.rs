@@ -184,7 +184,7 @@ impl SelectionCore {
                 (
                     p.key.clone(),
                     p.block_size,
-                    p.index.read().snapshot_operations(),
+                    p.index.read_whole().snapshot_operations(),
                 )
             })
             .collect()
@@ -295,7 +295,7 @@ impl SelectionCore {
             self.state.read().partitions.values().cloned().collect();
         partitions
             .iter()
-            .map(|p| (p.key.clone(), p.index.read().counters()))
+            .map(|p| (p.key.clone(), p.index.read_whole().counters()))
             .collect()
     }
 }

@@ -620,10 +620,11 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
     c.shutdown();
 }
 
-/// With two copies of the index, the size estimate counts both, and the two-copy series
-/// are exported.
+/// With two copies of the index, the size estimate counts the index and its mirror (a trie
+/// without the per-worker maps: more than nothing, less than a second index), and the
+/// two-copy series are exported.
 #[test]
-fn a_two_copy_index_reports_the_bytes_of_both_copies() {
+fn a_two_copy_index_reports_the_bytes_of_the_index_and_its_mirror() {
     let bytes_with = |copies: service_builder::IndexCopies| -> (u64, String) {
         let (_ctx, _publisher, endpoint) = bound_publisher();
         let c = core(CoreConfig {
@@ -650,7 +651,7 @@ fn a_two_copy_index_reports_the_bytes_of_both_copies() {
     let (one, _) = bytes_with(service_builder::IndexCopies::One);
     let (two, text) = bytes_with(service_builder::IndexCopies::Two);
     assert!(one > 0);
-    assert_eq!(two, 2 * one);
+    assert!(one < two && two < 2 * one, "one copy {one} B, two {two} B");
     for series in [
         "kv_select_index_writer_drain_waits_total",
         "kv_select_index_writer_drain_waits_over_50us_total",
