@@ -215,8 +215,9 @@ struct Cli {
     kv_writer_step_aside_us: u64,
 
     /// Copies of each partition's prefix index. 1: lookups wait for the event write in
-    /// progress (microseconds, longer when the writer loses its core inside it). 2:
-    /// lookups never wait for a writer, at twice the index's memory and event-apply CPU.
+    /// progress (microseconds, longer when the writer loses its core inside it). 2: the
+    /// index and a lookup-only mirror; lookups never wait for a writer, for about a third
+    /// more index memory and more event-apply CPU (least with --kv-listener-threads 1).
     #[arg(long, default_value = "1", value_parser = clap::value_parser!(u8).range(1..=2), value_name = "N")]
     kv_index_copies: u8,
 

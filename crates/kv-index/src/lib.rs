@@ -113,10 +113,12 @@
 //!   that long release the lock at the next section boundary and yield its core, so the
 //!   scheduler switches a busy listener out where no lookup waits behind it (gate.rs).
 //! - **Two copies, on request**: an [`IndexCell`] holds a partition's index either that way
-//!   (one copy) or as a left-right pair ([`IndexCopies::Two`], `twin.rs`), whose lookups
-//!   read the published copy and never wait for a writer: the writer changes the other
-//!   copy, publishes it, and waits for the old copy's lookups before changing it too. That
-//!   doubles the index's memory and write work, so it is the caller's choice.
+//!   (one copy) or with a lookup-only mirror ([`IndexCopies::Two`], `twin.rs`): lookups
+//!   read the mirror while a writer changes the index, and the index while the writer
+//!   brings the mirror up to date, so they never wait for a writer. The mirror is kept by
+//!   copying what each write touched, which the trie's containers note
+//!   (`primary/logged.rs`, `primary/mirror.rs`); it has no per-worker maps. It still
+//!   costs memory and write work, so it is the caller's choice.
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench

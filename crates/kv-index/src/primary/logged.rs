@@ -18,8 +18,10 @@ use crate::sharded::ShardedMap;
 #[derive(Debug)]
 pub(super) struct Logged<T> {
     items: Vec<T>,
-    on: bool,
-    /// The length when the log was turned on.
+    /// Indexes below this are noted: the length when the log was turned on, 0 while it is
+    /// off (one comparison per change is all an index without a mirror pays).
+    noting: usize,
+    /// The length when the log was last turned on.
     base: usize,
     /// Indexes below `base` changed since the log was turned on, in order, repeats
     /// included (but for a repeat of one of the last two noted, as a node and its parent
@@ -31,7 +33,7 @@ impl<T> Logged<T> {
     pub(super) fn new(items: Vec<T>) -> Self {
         Logged {
             items,
-            on: false,
+            noting: 0,
             base: 0,
             touched: Vec::new(),
         }
@@ -39,7 +41,7 @@ impl<T> Logged<T> {
 
     #[inline]
     fn note(&mut self, i: usize) {
-        if self.on && i < self.base {
+        if i < self.noting {
             let i = i as u32;
             if let [.., a, b] | [a @ b] = self.touched[..]
                 && (a == i || b == i)
@@ -82,13 +84,13 @@ impl<T> Logged<T> {
 
     /// Turns the log on, forgetting what it held.
     pub(super) fn log_on(&mut self) {
-        self.on = true;
         self.base = self.items.len();
+        self.noting = self.base;
         self.touched.clear();
     }
 
     pub(super) fn log_off(&mut self) {
-        self.on = false;
+        self.noting = 0;
     }
 
     /// Indexes below [`Logged::base`] changed while the log was on.

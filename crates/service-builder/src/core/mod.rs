@@ -70,8 +70,9 @@ pub struct CoreConfig {
     /// thread gets the core within about this long (`None`: never; see kv-index's gate.rs).
     pub kv_writer_step_aside: Option<Duration>,
     /// Copies of each partition's index: one behind a lock (lookups wait for the write
-    /// section in progress), or two, so lookups never wait for a writer at twice the
-    /// index's memory and write CPU (docs/hot-path.md, "two copies of the index").
+    /// section in progress), or the index and a lookup-only mirror, so lookups never wait
+    /// for a writer, for a third more index memory and more write CPU (docs/hot-path.md,
+    /// "a lookup-only mirror").
     pub kv_index_copies: kv_index::IndexCopies,
     /// Messages each KV listener queues unread before it stops reading its connection
     /// (`ZMQ_RCVHWM`; libzmq's default 1,000). With the largest message accepted, this
