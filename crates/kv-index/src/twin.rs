@@ -200,15 +200,20 @@ mod tests {
         for w in 0..3 {
             twin.write(|i| i.apply(&store(w, 100, 4)));
         }
-        let query: Vec<BlockHash> = (100..104).map(BlockHash).collect();
-        let [a, b] = twin.into_inner();
-        let (mut sa, mut sb) = (OverlapScores::new(), OverlapScores::new());
-        a.find_matches(&query, &mut sa);
-        b.find_matches(&query, &mut sb);
-        sa.sort_by_worker();
-        sb.sort_by_worker();
-        assert_eq!(sa.entries().len(), 3);
-        assert_eq!(sa.entries(), sb.entries());
+        assert_copies_agree(twin, 100..104, 3);
+    }
+
+    /// The index and the mirror match `blocks` for the same `workers` workers alike.
+    fn assert_copies_agree(twin: Twin, blocks: std::ops::Range<u64>, workers: usize) {
+        let query: Vec<BlockHash> = blocks.map(BlockHash).collect();
+        let [whole, mirror] = twin.into_inner();
+        let (mut a, mut b) = (OverlapScores::new(), OverlapScores::new());
+        whole.find_matches(&query, &mut a);
+        mirror.find_matches(&query, &mut b);
+        a.sort_by_worker();
+        b.sort_by_worker();
+        assert_eq!(a.entries().len(), workers);
+        assert_eq!(a.entries(), b.entries());
     }
 
     #[test]
@@ -264,14 +269,6 @@ mod tests {
         }));
         assert!(panicked.is_err());
         twin.write(|i| i.apply(&store(3, 1, 2)));
-        let query: Vec<BlockHash> = (1..5).map(BlockHash).collect();
-        let [whole, mirror] = twin.into_inner();
-        let (mut a, mut b) = (OverlapScores::new(), OverlapScores::new());
-        whole.find_matches(&query, &mut a);
-        mirror.find_matches(&query, &mut b);
-        a.sort_by_worker();
-        b.sort_by_worker();
-        assert_eq!(a.entries().len(), 3);
-        assert_eq!(a.entries(), b.entries());
+        assert_copies_agree(twin, 1..5, 3);
     }
 }
