@@ -140,7 +140,8 @@ impl IndexCell {
     /// and its mirror's (a trie without per-worker maps).
     pub fn estimated_bytes(&self) -> usize {
         match &self.kind {
-            Kind::One { .. } => self.read_whole().estimated_bytes(),
+            // Not through the gate: a scrape is not a lookup to count.
+            Kind::One { index, .. } => index.read().estimated_bytes(),
             Kind::Two { twin, .. } => twin.estimated_bytes(),
         }
     }
