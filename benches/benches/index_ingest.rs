@@ -11,7 +11,8 @@
 //! the page faults of a growing index, as the server pays them once.
 //!
 //! The same stream through an `IndexCell`, a batch per write as the listeners write, with
-//! one copy and with two (the index and its mirror): what the mirror costs a writer.
+//! one copy and with two (the index and its mirror): what the mirror costs a writer; and
+//! from two writer threads taking turns, as two listener threads share one partition.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kv_index::{IndexCell, IndexCopies, KvIndex};
@@ -102,6 +103,41 @@ fn index_ingest(c: &mut Criterion) {
             BatchSize::PerIteration,
         );
     });
+    // Two writer threads, each with the batches of half the workers, as two listener
+    // threads share the workers: what the writers' turns cost on top.
+    let halves: [Vec<&Vec<KvOperation>>; 2] = [0, 1].map(|half| {
+        batches
+            .iter()
+            .filter(|b| {
+                b.first()
+                    .is_some_and(|op| op.worker.worker_id.0 % 2 == half)
+            })
+            .collect()
+    });
+    for (name, copies) in [
+        ("cell_one_copy_two_writers", IndexCopies::One),
+        ("cell_two_copies_two_writers", IndexCopies::Two),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter_batched(
+                || IndexCell::new(copies, None, || KvIndex::with_block_size(16)),
+                |cell| {
+                    std::thread::scope(|scope| {
+                        for half in &halves {
+                            let cell = &cell;
+                            scope.spawn(move || {
+                                for batch in half {
+                                    cell.apply_batch(batch);
+                                }
+                            });
+                        }
+                    });
+                    cell
+                },
+                BatchSize::PerIteration,
+            );
+        });
+    }
     for (name, copies) in [
         ("cell_one_copy", IndexCopies::One),
         ("cell_two_copies", IndexCopies::Two),
