@@ -59,6 +59,9 @@ enum Kind {
         twin: Box<Twin>,
         /// Used only for its batch writers' step-aside (no lookup waits at it).
         gate: ReadGate,
+        /// Batches left by writers that found the turn taken, in arrival order: the writer
+        /// with the turn applies them (see [`IndexCell::apply_batch`]).
+        queued: Mutex<Vec<Vec<KvOperation>>>,
     },
 }
 
@@ -103,6 +106,7 @@ impl IndexCell {
             IndexCopies::Two => Kind::Two {
                 twin: Box::new(Twin::new(make)),
                 gate: ReadGate::with_step_aside(step_aside),
+                queued: Mutex::new(Vec::new()),
             },
         };
         IndexCell { kind }
@@ -150,13 +154,27 @@ impl IndexCell {
     pub fn write<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
         match &self.kind {
             Kind::One { index, .. } => f(&mut index.write()),
-            Kind::Two { twin, .. } => twin.write(f),
+            Kind::Two { twin, queued, .. } => {
+                // Batches left for the turn first: their writers returned before this call.
+                let out = twin.write(|index| {
+                    for op in std::mem::take(&mut *queued.lock()).iter().flatten() {
+                        index.apply(op);
+                    }
+                    f(index)
+                });
+                // And the ones left while `f` ran, which only a holder of the turn applies.
+                apply_combining(twin, queued, &[]);
+                out
+            }
         }
     }
 
     /// Applies a listener batch in order: in short sections handed over to waiting
-    /// lookups with one copy ([`apply_batch_fairly`]), whole with two (the writer may step
-    /// aside before the batch).
+    /// lookups with one copy ([`apply_batch_fairly`]); with two, whole, by this thread or,
+    /// when another writer has the turn, by that one (the batch is copied and left to it,
+    /// and this call returns at once; see `apply_combining`). Either way the batch is in
+    /// the index before any later write of this cell, and lookups see it once its writer's
+    /// turn has mirrored it. The writer may step aside before the batch.
     pub fn apply_batch(&self, ops: &[KvOperation]) {
         match &self.kind {
             Kind::One {
@@ -164,15 +182,11 @@ impl IndexCell {
                 writers,
                 gate,
             } => apply_batch_fairly(index, writers, gate, ops),
-            Kind::Two { twin, gate } => {
+            Kind::Two { twin, gate, queued } => {
                 if gate.step_aside_due() {
                     gate.step_aside();
                 }
-                twin.write(|index| {
-                    for op in ops {
-                        index.apply(op);
-                    }
-                });
+                apply_combining(twin, queued, ops);
             }
         }
     }
@@ -193,7 +207,7 @@ impl IndexCell {
                 lookups: gate.counts(),
                 ..IndexWaits::default()
             },
-            Kind::Two { twin, gate } => {
+            Kind::Two { twin, gate, .. } => {
                 let c = twin.counts();
                 IndexWaits {
                     lookups: GateCounts {
@@ -206,6 +220,56 @@ impl IndexCell {
                     reader_waits: c.reader_waits,
                 }
             }
+        }
+    }
+}
+
+/// How many batches a two-copy cell holds for the writer with the turn (a listener batch is
+/// a few KiB: about a MiB per partition). A writer that finds this many waits for the turn
+/// instead, so a listener that decodes faster than the index is written still stops
+/// reading its engine's socket, as with one copy.
+pub const MAX_LEFT_BATCHES: usize = 256;
+
+/// Applies `ops` to a two-copy index, or leaves a copy of them to the writer that has the
+/// turn: that writer applies every batch left before it lets the turn go, so the batches of
+/// one partition are written by one thread at a time while the others go on decoding, and
+/// the index's hot lines stay on that thread's core. Batches apply in the order their
+/// writers left or applied them, so each listener's batches (one worker's stream) keep
+/// theirs. At most [`MAX_LEFT`] batches wait so.
+///
+/// No batch is stranded: a writer that leaves one then tries the turn again, and fails only
+/// while another writer has it; a writer looks for left batches after it releases the turn
+/// and takes the turn again to apply them.
+fn apply_combining(twin: &Twin, queued: &Mutex<Vec<Vec<KvOperation>>>, ops: &[KvOperation]) {
+    let mut mine = (!ops.is_empty()).then_some(ops);
+    if mine.is_none() && queued.lock().is_empty() {
+        return;
+    }
+    let apply_all = |index: &mut KvIndex, mine: Option<&[KvOperation]>| {
+        let left = std::mem::take(&mut *queued.lock());
+        for op in left.iter().flatten().chain(mine.into_iter().flatten()) {
+            index.apply(op);
+        }
+    };
+    loop {
+        if twin
+            .try_write(|index| apply_all(index, mine.take()))
+            .is_none()
+        {
+            let Some(ops) = mine.take() else {
+                // Another writer has the turn and looks for left batches after it.
+                return;
+            };
+            let mut left = queued.lock();
+            if left.len() < MAX_LEFT_BATCHES {
+                left.push(ops.to_vec());
+                continue;
+            }
+            drop(left);
+            twin.write(|index| apply_all(index, Some(ops)));
+        }
+        if queued.lock().is_empty() {
+            return;
         }
     }
 }

@@ -22,7 +22,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::index::KvIndex;
 
@@ -107,7 +107,21 @@ impl Twin {
 
     /// Applies `f` to the index, mirrors what it changed, and returns its result.
     pub(crate) fn write<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
-        let mut unknown = self.writer.lock();
+        self.write_in_turn(self.writer.lock(), f)
+    }
+
+    /// [`Twin::write`] if no other writer has the turn; `None` (and `f` not called) if one
+    /// has.
+    pub(crate) fn try_write<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> Option<R> {
+        let turn = self.writer.try_lock()?;
+        Some(self.write_in_turn(turn, f))
+    }
+
+    fn write_in_turn<R>(
+        &self,
+        mut unknown: MutexGuard<'_, bool>,
+        f: impl FnOnce(&mut KvIndex) -> R,
+    ) -> R {
         let mut whole = self.lock(&self.whole);
         let clean = whole.log_on();
         let serial = whole.serial();

@@ -11,7 +11,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use kv_index::{IndexCell, IndexCopies, KvIndex, OverlapScores, TieredMatches};
+use kv_index::{IndexCell, IndexCopies, KvIndex, MAX_LEFT_BATCHES, OverlapScores, TieredMatches};
 use kv_types::{ExternalHash, KvOperation, StorageTier, WorkerId, WorkerKey};
 use proptest::prelude::*;
 
@@ -343,4 +343,112 @@ fn readers_see_whole_batches_that_never_go_back_while_two_writers_race() {
         }
         cell.write(|_| ());
     }
+}
+
+/// A listener batch that finds the turn taken by another write (held here inside a
+/// catalog write) is left to that writer: its `apply_batch` returns while the write is
+/// held, and the batch is in the index, and mirrored, once the write returns.
+#[test]
+fn a_batch_left_while_a_write_holds_the_turn_is_applied_when_that_write_ends() {
+    let cell = Arc::new(IndexCell::new(IndexCopies::Two, None, || {
+        KvIndex::with_block_size(16)
+    }));
+    let (entered_tx, entered) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let holder = {
+        let cell = Arc::clone(&cell);
+        thread::spawn(move || {
+            cell.write(|index| {
+                index.apply(&stored(w(1, 0), StorageTier::Device, None, &[(1, 11)]));
+                entered_tx.send(()).expect("test alive");
+                // Bounded: the test releases it, or it gives up after 10 s.
+                let _ = release_rx.recv_timeout(Duration::from_secs(10));
+            });
+        })
+    };
+    entered
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the holder took the turn");
+    let (left_tx, left) = mpsc::channel();
+    let listener = {
+        let cell = Arc::clone(&cell);
+        thread::spawn(move || {
+            cell.apply_batch(&[stored(
+                w(2, 0),
+                StorageTier::Device,
+                None,
+                &[(1, 11), (2, 12)],
+            )]);
+            let _ = left_tx.send(());
+        })
+    };
+    let returned = left.recv_timeout(Duration::from_secs(10)).is_ok();
+    let mut out = OverlapScores::new();
+    cell.read().find_matches(&q(&[1, 2]), &mut out);
+    let seen_while_held = out.score(w(2, 0));
+    release.send(()).expect("holder alive");
+    holder.join().expect("holder");
+    listener.join().expect("listener");
+    assert!(returned, "the listener waited for the turn");
+    assert_eq!(seen_while_held, 0);
+    cell.read().find_matches(&q(&[1, 2]), &mut out);
+    assert_eq!((out.score(w(1, 0)), out.score(w(2, 0))), (1, 2));
+}
+
+/// Batches left for a writer that holds the turn are bounded: a listener that finds
+/// [`MAX_LEFT_BATCHES`] of them waits for the turn, and so feels the index's pace, as with
+/// one copy.
+#[test]
+fn a_bounded_number_of_batches_waits_for_a_writer_that_holds_the_turn() {
+    let bound = MAX_LEFT_BATCHES as u32;
+    let cell = Arc::new(IndexCell::new(IndexCopies::Two, None, || {
+        KvIndex::with_block_size(16)
+    }));
+    let (entered_tx, entered) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let holder = {
+        let cell = Arc::clone(&cell);
+        thread::spawn(move || {
+            cell.write(|_| {
+                entered_tx.send(()).expect("test alive");
+                let _ = release_rx.recv_timeout(Duration::from_secs(10));
+            });
+        })
+    };
+    entered
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the holder took the turn");
+    let returned = Arc::new(AtomicU32::new(0));
+    let listener = {
+        let (cell, returned) = (Arc::clone(&cell), Arc::clone(&returned));
+        thread::spawn(move || {
+            for i in 0..u64::from(bound) + 8 {
+                let parent = i.checked_sub(1).map(|p| p + 100);
+                cell.apply_batch(&[stored(
+                    w(2, 0),
+                    StorageTier::Device,
+                    parent,
+                    &[(i, i + 100)],
+                )]);
+                returned.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while returned.load(Ordering::SeqCst) < bound && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(5));
+    }
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        returned.load(Ordering::SeqCst),
+        bound,
+        "more batches left than the bound"
+    );
+    release.send(()).expect("holder alive");
+    holder.join().expect("holder");
+    listener.join().expect("listener");
+    let mut out = OverlapScores::new();
+    let chain: Vec<u64> = (0..u64::from(bound) + 8).collect();
+    cell.read().find_matches(&q(&chain), &mut out);
+    assert_eq!(out.score(w(2, 0)), bound + 8);
 }
