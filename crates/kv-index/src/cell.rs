@@ -25,16 +25,6 @@ pub enum IndexCopies {
     Two,
 }
 
-impl IndexCopies {
-    /// How many copies.
-    pub fn count(self) -> usize {
-        match self {
-            IndexCopies::One => 1,
-            IndexCopies::Two => 2,
-        }
-    }
-}
-
 /// One partition's index and how its readers and writers take turns.
 #[derive(Debug)]
 pub struct IndexCell {
@@ -157,9 +147,7 @@ impl IndexCell {
             Kind::Two { twin, queued, .. } => {
                 // Batches left for the turn first: their writers returned before this call.
                 let out = twin.write(|index| {
-                    for op in std::mem::take(&mut *queued.lock()).iter().flatten() {
-                        index.apply(op);
-                    }
+                    apply_left(index, queued, None);
                     f(index)
                 });
                 // And the ones left while `f` ran, which only a holder of the turn applies.
@@ -245,15 +233,9 @@ fn apply_combining(twin: &Twin, queued: &Mutex<Vec<Vec<KvOperation>>>, ops: &[Kv
     if mine.is_none() && queued.lock().is_empty() {
         return;
     }
-    let apply_all = |index: &mut KvIndex, mine: Option<&[KvOperation]>| {
-        let left = std::mem::take(&mut *queued.lock());
-        for op in left.iter().flatten().chain(mine.into_iter().flatten()) {
-            index.apply(op);
-        }
-    };
     loop {
         if twin
-            .try_write(|index| apply_all(index, mine.take()))
+            .try_write(|index| apply_left(index, queued, mine.take()))
             .is_none()
         {
             let Some(ops) = mine.take() else {
@@ -266,10 +248,22 @@ fn apply_combining(twin: &Twin, queued: &Mutex<Vec<Vec<KvOperation>>>, ops: &[Kv
                 continue;
             }
             drop(left);
-            twin.write(|index| apply_all(index, Some(ops)));
+            twin.write(|index| apply_left(index, queued, Some(ops)));
         }
         if queued.lock().is_empty() {
             return;
         }
+    }
+}
+
+/// Applies the batches left in `queued`, then `mine`, in that order.
+fn apply_left(
+    index: &mut KvIndex,
+    queued: &Mutex<Vec<Vec<KvOperation>>>,
+    mine: Option<&[KvOperation]>,
+) {
+    let left = std::mem::take(&mut *queued.lock());
+    for op in left.iter().flatten().chain(mine.into_iter().flatten()) {
+        index.apply(op);
     }
 }

@@ -117,8 +117,10 @@
 //!   read the mirror while a writer changes the index, and the index while the writer
 //!   brings the mirror up to date, so they never wait for a writer. The mirror is kept by
 //!   copying what each write touched, which the trie's containers note
-//!   (`primary/logged.rs`, `primary/mirror.rs`); it has no per-worker maps. It still
-//!   costs memory and write work, so it is the caller's choice.
+//!   (`primary/logged.rs`, `primary/mirror.rs`); it has no per-worker maps. A listener
+//!   batch that finds another writer with the turn is left to it (a bounded queue), so
+//!   one thread writes a partition at a time. It still costs memory and write work, so it
+//!   is the caller's choice.
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench

@@ -163,6 +163,30 @@ proptest! {
     }
 }
 
+/// Starts a `cell.write` on another thread that applies `change` and then keeps the turn
+/// (as if its writer lost its core there) until the returned sender sends, or 10 s pass;
+/// returns once the write holds the turn.
+fn hold_a_write(
+    cell: &Arc<IndexCell>,
+    change: impl FnOnce(&mut KvIndex) + Send + 'static,
+) -> (thread::JoinHandle<()>, mpsc::Sender<()>) {
+    let (entered_tx, entered) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let cell = Arc::clone(cell);
+    let holder = thread::spawn(move || {
+        cell.write(|index| {
+            change(index);
+            entered_tx.send(()).expect("test alive");
+            // Bounded: the test releases it, or it gives up after 10 s.
+            let _ = release_rx.recv_timeout(Duration::from_secs(10));
+        });
+    });
+    entered
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the write took the turn");
+    (holder, release)
+}
+
 /// Holds a writer inside its change (as if it lost its core there) and runs a lookup
 /// meanwhile. Returns what the lookup saw of worker 2, or `None` when it
 /// did not finish within `patience`; then releases the writer and returns after it.
@@ -176,30 +200,19 @@ fn lookup_during_a_held_write(copies: IndexCopies, patience: Duration) -> (Optio
         None,
         &[(1, 11), (2, 12)],
     )]);
-    let (entered_tx, entered) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel::<()>();
     let calls = Arc::new(AtomicU32::new(0));
-    let writer = {
-        let (cell, calls) = (Arc::clone(&cell), Arc::clone(&calls));
-        thread::spawn(move || {
-            cell.write(|index| {
-                index.apply(&stored(
-                    w(2, 0),
-                    StorageTier::Device,
-                    None,
-                    &[(1, 11), (2, 12)],
-                ));
-                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
-                    entered_tx.send(()).expect("test alive");
-                    // Bounded: the test releases it, or it gives up after 10 s.
-                    let _ = release_rx.recv_timeout(Duration::from_secs(10));
-                }
-            });
+    let (writer, release) = {
+        let calls = Arc::clone(&calls);
+        hold_a_write(&cell, move |index| {
+            index.apply(&stored(
+                w(2, 0),
+                StorageTier::Device,
+                None,
+                &[(1, 11), (2, 12)],
+            ));
+            calls.fetch_add(1, Ordering::SeqCst);
         })
     };
-    entered
-        .recv_timeout(Duration::from_secs(10))
-        .expect("the writer entered its write");
     let (seen_tx, seen) = mpsc::channel();
     let reader = {
         let cell = Arc::clone(&cell);
@@ -353,22 +366,9 @@ fn a_batch_left_while_a_write_holds_the_turn_is_applied_when_that_write_ends() {
     let cell = Arc::new(IndexCell::new(IndexCopies::Two, None, || {
         KvIndex::with_block_size(16)
     }));
-    let (entered_tx, entered) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel::<()>();
-    let holder = {
-        let cell = Arc::clone(&cell);
-        thread::spawn(move || {
-            cell.write(|index| {
-                index.apply(&stored(w(1, 0), StorageTier::Device, None, &[(1, 11)]));
-                entered_tx.send(()).expect("test alive");
-                // Bounded: the test releases it, or it gives up after 10 s.
-                let _ = release_rx.recv_timeout(Duration::from_secs(10));
-            });
-        })
-    };
-    entered
-        .recv_timeout(Duration::from_secs(10))
-        .expect("the holder took the turn");
+    let (holder, release) = hold_a_write(&cell, |index| {
+        index.apply(&stored(w(1, 0), StorageTier::Device, None, &[(1, 11)]));
+    });
     let (left_tx, left) = mpsc::channel();
     let listener = {
         let cell = Arc::clone(&cell);
@@ -404,20 +404,7 @@ fn a_bounded_number_of_batches_waits_for_a_writer_that_holds_the_turn() {
     let cell = Arc::new(IndexCell::new(IndexCopies::Two, None, || {
         KvIndex::with_block_size(16)
     }));
-    let (entered_tx, entered) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel::<()>();
-    let holder = {
-        let cell = Arc::clone(&cell);
-        thread::spawn(move || {
-            cell.write(|_| {
-                entered_tx.send(()).expect("test alive");
-                let _ = release_rx.recv_timeout(Duration::from_secs(10));
-            });
-        })
-    };
-    entered
-        .recv_timeout(Duration::from_secs(10))
-        .expect("the holder took the turn");
+    let (holder, release) = hold_a_write(&cell, |_| ());
     let returned = Arc::new(AtomicU32::new(0));
     let listener = {
         let (cell, returned) = (Arc::clone(&cell), Arc::clone(&returned));

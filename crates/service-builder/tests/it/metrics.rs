@@ -60,20 +60,39 @@ fn estimated_bytes(text: &str) -> u64 {
         .unwrap_or_else(|| panic!("no estimated bytes in:\n{text}"))
 }
 
-#[test]
-fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() {
-    let (_ctx, publisher, endpoint) = bound_publisher();
-    let c = core(CoreConfig {
-        rng_seed: Some(3),
-        ..CoreConfig::default()
-    });
+/// A core of `config` with `request` registered, its events endpoint a bound publisher
+/// (keep the context and the socket while the core listens), and a registry holding the
+/// core's metrics.
+fn metered_core(
+    config: CoreConfig,
+    request: WorkerRequest,
+) -> (
+    zmq::Context,
+    zmq::Socket,
+    std::sync::Arc<service_builder::SelectionCore>,
+    Registry,
+) {
+    let (ctx, publisher, endpoint) = bound_publisher();
+    let c = core(config);
     c.upsert_worker(WorkerRequest {
         kv_events_endpoint: Some(endpoint),
-        ..worker(2)
+        ..request
     })
     .unwrap();
     let mut registry = Registry::default();
     c.register_metrics(&mut registry);
+    (ctx, publisher, c, registry)
+}
+
+#[test]
+fn encoded_metrics_count_selections_bookings_frees_rejections_and_event_drops() {
+    let (_ctx, publisher, c, registry) = metered_core(
+        CoreConfig {
+            rng_seed: Some(3),
+            ..CoreConfig::default()
+        },
+        worker(2),
+    );
     let rank = WorkerKey::new(2, 0);
     let stats = || {
         c.listener_stats()
@@ -509,19 +528,16 @@ fn an_unreachable_publisher_shows_until_it_answers() {
 /// evicts at once. The partition's size gauges follow.
 #[test]
 fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
-    let (_ctx, _publisher, endpoint) = bound_publisher();
-    let c = core(CoreConfig {
-        rng_seed: Some(3),
-        ..CoreConfig::default()
-    });
-    c.upsert_worker(WorkerRequest {
-        kv_events_endpoint: Some(endpoint),
-        total_kv_blocks: Some(4),
-        ..worker(2)
-    })
-    .unwrap();
-    let mut registry = Registry::default();
-    c.register_metrics(&mut registry);
+    let (_ctx, _publisher, c, registry) = metered_core(
+        CoreConfig {
+            rng_seed: Some(3),
+            ..CoreConfig::default()
+        },
+        WorkerRequest {
+            total_kv_blocks: Some(4),
+            ..worker(2)
+        },
+    );
     let rank = WorkerKey::new(2, 0);
     // Three chains of three blocks, each from the root: nine blocks for a rank of four.
     let ops = chain_stores(rank, 3, 3);
@@ -626,18 +642,13 @@ fn capacity_evictions_are_counted_per_rank_and_the_index_size_is_exported() {
 #[test]
 fn a_two_copy_index_reports_the_bytes_of_the_index_and_its_mirror() {
     let bytes_with = |copies: service_builder::IndexCopies| -> (u64, String) {
-        let (_ctx, _publisher, endpoint) = bound_publisher();
-        let c = core(CoreConfig {
-            kv_index_copies: copies,
-            ..CoreConfig::default()
-        });
-        c.upsert_worker(WorkerRequest {
-            kv_events_endpoint: Some(endpoint),
-            ..worker(2)
-        })
-        .unwrap();
-        let mut registry = Registry::default();
-        c.register_metrics(&mut registry);
+        let (_ctx, _publisher, c, registry) = metered_core(
+            CoreConfig {
+                kv_index_copies: copies,
+                ..CoreConfig::default()
+            },
+            worker(2),
+        );
         let ops = chain_stores(WorkerKey::new(2, 0), 50, 8);
         c.apply_events(
             &service_builder::PartitionKey::new("default", "default"),
