@@ -221,6 +221,13 @@ struct Cli {
     #[arg(long, default_value = "1", value_parser = clap::value_parser!(u8).range(1..=2), value_name = "N")]
     kv_index_copies: u8,
 
+    /// With --kv-index-copies 2: a writer thread per partition applies the KV listeners'
+    /// batches, which they hand over instead of writing the index themselves, so decoding
+    /// and the index write run on two cores at once. A batch reaches lookups once that
+    /// thread has applied it (microseconds later, at most 256 batches behind).
+    #[arg(long)]
+    kv_index_writer_thread: bool,
+
     /// Messages each KV listener queues unread before it stops reading its engine's
     /// connection (ZMQ_RCVHWM). With the largest accepted message, this bounds the memory
     /// a stalled server gives to event backlogs; past it the engine drops, and the gap is
@@ -332,6 +339,8 @@ pub struct ServerConfig {
     pub kv_writer_step_aside: Option<Duration>,
     /// `--kv-index-copies`.
     pub kv_index_copies: service_builder::IndexCopies,
+    /// `--kv-index-writer-thread`.
+    pub kv_index_writer: service_builder::IndexWriter,
     /// `--kv-receive-hwm`.
     pub kv_receive_hwm: i32,
     /// Router configuration (§8.1); tracking fields are filled from [`Self::tracking`].
@@ -385,6 +394,7 @@ impl Default for ServerConfig {
             kv_listener_threads: None,
             kv_writer_step_aside: Some(service_builder::DEFAULT_KV_WRITER_STEP_ASIDE),
             kv_index_copies: service_builder::IndexCopies::One,
+            kv_index_writer: service_builder::IndexWriter::Listeners,
             kv_receive_hwm: 1000,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
@@ -570,6 +580,13 @@ impl ServerConfig {
                     .map_err(|_| "expected a non-negative integer".to_owned())
             })?
             .unwrap_or(0);
+        if cli.kv_index_writer_thread && cli.kv_index_copies != 2 {
+            return Err(
+                "--kv-index-writer-thread needs --kv-index-copies 2: a one-copy index is \
+                 written by its listeners, in short sections its lookups wait for"
+                    .to_owned(),
+            );
+        }
         let ext_proc = cli.ext_proc_port.map(|port| ExtProcSettings {
             port,
             tls: cli
@@ -617,6 +634,11 @@ impl ServerConfig {
             kv_index_copies: match cli.kv_index_copies {
                 2 => service_builder::IndexCopies::Two,
                 _ => service_builder::IndexCopies::One,
+            },
+            kv_index_writer: if cli.kv_index_writer_thread {
+                service_builder::IndexWriter::Thread
+            } else {
+                service_builder::IndexWriter::Listeners
             },
             kv_receive_hwm: cli.kv_receive_hwm,
             router,
@@ -1044,6 +1066,18 @@ mod tests {
         for bad in ["0", "3", "two"] {
             assert!(err(&["--kv-index-copies", bad], &[]).contains("--kv-index-copies"));
         }
+    }
+
+    #[test]
+    fn a_writer_thread_is_asked_for_with_two_copies_only() {
+        let writer = |args: &[&str]| parse(args, &[]).unwrap().kv_index_writer;
+        assert_eq!(writer(&[]), service_builder::IndexWriter::Listeners);
+        assert_eq!(
+            writer(&["--kv-index-copies", "2", "--kv-index-writer-thread"]),
+            service_builder::IndexWriter::Thread
+        );
+        let e = err(&["--kv-index-writer-thread"], &[]);
+        assert!(e.contains("--kv-index-copies 2"), "{e}");
     }
 
     #[test]

@@ -457,6 +457,7 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
         kv_listener_threads: cfg.kv_listener_threads,
         kv_writer_step_aside: cfg.kv_writer_step_aside,
         kv_index_copies: cfg.kv_index_copies,
+        kv_index_writer: cfg.kv_index_writer,
         kv_receive_hwm: cfg.kv_receive_hwm,
         ..service_builder::CoreConfig::default()
     };

@@ -2,10 +2,12 @@
 //! at a [`ReadGate`] for the write section in progress, or the index and a mirror of it
 //! (`twin.rs`), whose lookups never wait for a writer.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use kv_types::KvOperation;
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 
 use crate::gate::{GateCounts, ReadGate};
 use crate::index::KvIndex;
@@ -23,6 +25,20 @@ pub enum IndexCopies {
     /// also copies what it changed into the mirror, and the mirror holds the trie again
     /// (not the per-worker maps).
     Two,
+}
+
+/// Who applies the listeners' batches to a two-copy index.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum IndexWriter {
+    /// The listener threads themselves, one at a time; a listener that finds the turn
+    /// taken leaves its batch to the one that has it.
+    #[default]
+    Listeners,
+    /// A thread of the cell's own: listeners hand their batches over and go back to
+    /// decoding, so the index is written from one core while the next batches are decoded
+    /// on another. A batch reaches lookups once that thread has applied it; cold reads
+    /// ([`IndexCell::read_whole`]) apply every batch handed over first.
+    Thread,
 }
 
 /// One partition's index and how its readers and writers take turns.
@@ -45,14 +61,91 @@ enum Kind {
         gate: ReadGate,
     },
     Two {
-        /// Boxed: two indexes inline would make every one-copy cell twice as large.
-        twin: Box<Twin>,
-        /// Used only for its batch writers' step-aside (no lookup waits at it).
-        gate: ReadGate,
-        /// Batches left by writers that found the turn taken, in arrival order: the writer
-        /// with the turn applies them (see [`IndexCell::apply_batch`]).
-        queued: Mutex<Vec<Vec<KvOperation>>>,
+        /// Shared with the writer thread, if any (boxed besides: two indexes inline would
+        /// make every one-copy cell twice as large).
+        twin: Arc<Twin>,
+        /// Used only for its batch writers' step-aside (no lookup waits at it); shared with
+        /// the writer thread, if any.
+        gate: Arc<ReadGate>,
+        left: Arc<Left>,
+        /// [`IndexWriter::Thread`]: the writer thread applies every batch.
+        threaded: bool,
     },
+}
+
+impl Kind {
+    fn one(step_aside: Option<Duration>, mut make: impl FnMut() -> KvIndex) -> Self {
+        Kind::One {
+            index: RwLock::new(make()),
+            writers: Mutex::new(()),
+            gate: ReadGate::with_step_aside(step_aside),
+        }
+    }
+
+    fn two(threaded: bool, step_aside: Option<Duration>, make: impl FnMut() -> KvIndex) -> Self {
+        Kind::Two {
+            twin: Arc::new(Twin::new(make)),
+            gate: Arc::new(ReadGate::with_step_aside(step_aside)),
+            left: Arc::default(),
+            threaded,
+        }
+    }
+}
+
+/// Batches left for a two-copy index's writer, and the signals of its writer thread.
+#[derive(Debug, Default)]
+struct Left {
+    /// Batches left by writers that found the turn taken, or handed to the writer thread,
+    /// in arrival order: the writer with the turn applies them (see
+    /// [`IndexCell::apply_batch`]).
+    queued: Mutex<Vec<Vec<KvOperation>>>,
+    /// The writer thread waits here for batches, or for its cell to be dropped.
+    wake: Condvar,
+    /// Listeners that found [`MAX_LEFT_BATCHES`] waiting wait here for the writer thread
+    /// to take them.
+    room: Condvar,
+    /// The cell was dropped: its writer thread ends (set under `queued`'s lock).
+    ended: AtomicBool,
+    /// Batches ever queued (counted under `queued`'s lock) and applied from the queue:
+    /// a cold read of a threaded cell waits until the second reaches the first as it was
+    /// when the read began, which `done` signals (under `queued`'s lock).
+    handed: AtomicU64,
+    applied: AtomicU64,
+    done: Condvar,
+}
+
+impl Left {
+    /// Queues `batch` (the caller holds the queue).
+    fn push(&self, queued: &mut Vec<Vec<KvOperation>>, batch: Vec<KvOperation>) {
+        queued.push(batch);
+        self.handed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Takes every queued batch, making room for more.
+    fn take(&self) -> Vec<Vec<KvOperation>> {
+        let taken = std::mem::take(&mut *self.queued.lock());
+        self.room.notify_all();
+        taken
+    }
+
+    /// Counts `n` batches taken from the queue as applied, for the cold reads that wait.
+    fn applied(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.applied.fetch_add(n as u64, Ordering::Release);
+        let _queued = self.queued.lock();
+        self.done.notify_all();
+    }
+
+    /// Waits until every batch queued before this call has been applied.
+    fn wait_applied(&self) {
+        let mut queued = self.queued.lock();
+        let target = self.handed.load(Ordering::Relaxed);
+        while self.applied.load(Ordering::Acquire) < target {
+            self.done.wait(&mut queued);
+        }
+    }
 }
 
 /// A lookup's hold on the index: a read guard of the one copy, or of the mirror or the
@@ -85,21 +178,35 @@ impl IndexCell {
     pub fn new(
         copies: IndexCopies,
         step_aside: Option<Duration>,
-        mut make: impl FnMut() -> KvIndex,
+        make: impl FnMut() -> KvIndex,
     ) -> Self {
         let kind = match copies {
-            IndexCopies::One => Kind::One {
-                index: RwLock::new(make()),
-                writers: Mutex::new(()),
-                gate: ReadGate::with_step_aside(step_aside),
-            },
-            IndexCopies::Two => Kind::Two {
-                twin: Box::new(Twin::new(make)),
-                gate: ReadGate::with_step_aside(step_aside),
-                queued: Mutex::new(Vec::new()),
-            },
+            IndexCopies::One => Kind::one(step_aside, make),
+            IndexCopies::Two => Kind::two(false, step_aside, make),
         };
         IndexCell { kind }
+    }
+
+    /// [`IndexCell::new`] with a choice of who applies a two-copy index's batches (one copy
+    /// ignores it). [`IndexWriter::Thread`] starts a thread named `kv-index-writer`, which
+    /// ends when the cell is dropped; this fails only if that thread cannot be started.
+    pub fn with_writer(
+        copies: IndexCopies,
+        writer: IndexWriter,
+        step_aside: Option<Duration>,
+        make: impl FnMut() -> KvIndex,
+    ) -> std::io::Result<Self> {
+        let kind = match (copies, writer) {
+            (IndexCopies::Two, IndexWriter::Thread) => Kind::two(true, step_aside, make),
+            _ => return Ok(Self::new(copies, step_aside, make)),
+        };
+        if let Kind::Two {
+            twin, left, gate, ..
+        } = &kind
+        {
+            spawn_writer(twin, left, gate)?;
+        }
+        Ok(IndexCell { kind })
     }
 
     pub fn copies(&self) -> IndexCopies {
@@ -122,11 +229,29 @@ impl IndexCell {
     }
 
     /// The whole index, for every read (waits for a write in progress, as one copy's
-    /// lookups do).
+    /// lookups do), with every batch handed to the cell applied.
     pub fn read_whole(&self) -> IndexRead<'_> {
         match &self.kind {
             Kind::One { index, gate, .. } => gate.read(index),
-            Kind::Two { twin, .. } => twin.read_whole(),
+            Kind::Two {
+                twin,
+                left,
+                threaded,
+                ..
+            } => {
+                if *threaded {
+                    // Applied by the writer thread, not this (HTTP) thread.
+                    left.wait_applied();
+                } else if !left.queued.lock().is_empty() {
+                    // Batches still queued may be about to be taken by a writer that has
+                    // the turn but not yet the index: waiting for the turn waits for it.
+                    twin.write(|index| apply_left(index, left, None));
+                }
+                // A batch counted applied was applied under the index's write lock, and an
+                // empty queue means every batch was taken by a writer holding it: this
+                // read waits for that writer.
+                twin.read_whole()
+            }
         }
     }
 
@@ -144,14 +269,14 @@ impl IndexCell {
     pub fn write<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
         match &self.kind {
             Kind::One { index, .. } => f(&mut index.write()),
-            Kind::Two { twin, queued, .. } => {
+            Kind::Two { twin, left, .. } => {
                 // Batches left for the turn first: their writers returned before this call.
                 let out = twin.write(|index| {
-                    apply_left(index, queued, None);
+                    apply_left(index, left, None);
                     f(index)
                 });
                 // And the ones left while `f` ran, which only a holder of the turn applies.
-                apply_combining(twin, queued, &[]);
+                apply_combining(twin, left, &[]);
                 out
             }
         }
@@ -170,12 +295,33 @@ impl IndexCell {
                 writers,
                 gate,
             } => apply_batch_fairly(index, writers, gate, ops),
-            Kind::Two { twin, gate, queued } => {
+            Kind::Two {
+                left,
+                gate,
+                threaded: true,
+                ..
+            } => {
                 if gate.step_aside_due() {
                     gate.step_aside();
                 }
-                apply_combining(twin, queued, ops);
+                hand_over(left, ops);
             }
+            Kind::Two {
+                twin, gate, left, ..
+            } => {
+                if gate.step_aside_due() {
+                    gate.step_aside();
+                }
+                apply_combining(twin, left, ops);
+            }
+        }
+    }
+
+    /// Returns once lookups see every batch handed to this cell before the call: with a
+    /// writer thread, a batch is applied after its `apply_batch` returns.
+    pub fn settle(&self) {
+        if matches!(self.kind, Kind::Two { .. }) {
+            self.write(|_| ());
         }
     }
 
@@ -228,42 +374,157 @@ pub const MAX_LEFT_BATCHES: usize = 256;
 /// No batch is stranded: a writer that leaves one then tries the turn again, and fails only
 /// while another writer has it; a writer looks for left batches after it releases the turn
 /// and takes the turn again to apply them.
-fn apply_combining(twin: &Twin, queued: &Mutex<Vec<Vec<KvOperation>>>, ops: &[KvOperation]) {
+fn apply_combining(twin: &Twin, left: &Left, ops: &[KvOperation]) {
     let mut mine = (!ops.is_empty()).then_some(ops);
-    if mine.is_none() && queued.lock().is_empty() {
+    if mine.is_none() && left.queued.lock().is_empty() {
         return;
     }
     loop {
         if twin
-            .try_write(|index| apply_left(index, queued, mine.take()))
+            .try_write(|index| apply_left(index, left, mine.take()))
             .is_none()
         {
             let Some(ops) = mine.take() else {
                 // Another writer has the turn and looks for left batches after it.
                 return;
             };
-            let mut left = queued.lock();
-            if left.len() < MAX_LEFT_BATCHES {
-                left.push(ops.to_vec());
+            let mut queued = left.queued.lock();
+            if queued.len() < MAX_LEFT_BATCHES {
+                left.push(&mut queued, ops.to_vec());
                 continue;
             }
-            drop(left);
-            twin.write(|index| apply_left(index, queued, Some(ops)));
+            drop(queued);
+            twin.write(|index| apply_left(index, left, Some(ops)));
         }
-        if queued.lock().is_empty() {
+        if left.queued.lock().is_empty() {
             return;
         }
     }
 }
 
-/// Applies the batches left in `queued`, then `mine`, in that order.
-fn apply_left(
-    index: &mut KvIndex,
-    queued: &Mutex<Vec<Vec<KvOperation>>>,
-    mine: Option<&[KvOperation]>,
-) {
-    let left = std::mem::take(&mut *queued.lock());
-    for op in left.iter().flatten().chain(mine.into_iter().flatten()) {
+/// Applies the batches left in `left`, then `mine`, in that order.
+fn apply_left(index: &mut KvIndex, left: &Left, mine: Option<&[KvOperation]>) {
+    let taken = left.take();
+    for op in taken.iter().flatten().chain(mine.into_iter().flatten()) {
         index.apply(op);
+    }
+    left.applied(taken.len());
+}
+
+/// Hands a copy of `ops` to the cell's writer thread, waiting while [`MAX_LEFT_BATCHES`]
+/// wait for it (so a listener still feels the index's pace).
+fn hand_over(left: &Left, ops: &[KvOperation]) {
+    if ops.is_empty() {
+        return;
+    }
+    let copy = ops.to_vec();
+    let mut queued = left.queued.lock();
+    while queued.len() >= MAX_LEFT_BATCHES {
+        left.room.wait(&mut queued);
+    }
+    left.push(&mut queued, copy);
+    if queued.len() == 1 {
+        left.wake.notify_one();
+    }
+}
+
+/// Starts the writer thread of a two-copy cell (detached: it ends once the cell is
+/// dropped, and drops the index there, off the dropper's thread).
+fn spawn_writer(twin: &Arc<Twin>, left: &Arc<Left>, gate: &Arc<ReadGate>) -> std::io::Result<()> {
+    let (twin, left, gate) = (Arc::clone(twin), Arc::clone(left), Arc::clone(gate));
+    std::thread::Builder::new()
+        .name("kv-index-writer".into())
+        .spawn(move || serve_writes(&twin, &left, &gate))
+        .map(drop)
+}
+
+/// The writer thread: applies the batches handed over until its cell is dropped. A turn
+/// ends at the first batch boundary past the step-aside interval, and the thread then
+/// yields its core, so that a woken HTTP thread waits for it about that long at most.
+fn serve_writes(twin: &Twin, left: &Left, gate: &ReadGate) {
+    loop {
+        {
+            let mut queued = left.queued.lock();
+            while queued.is_empty() {
+                if left.ended.load(Ordering::Acquire) {
+                    return;
+                }
+                left.wake.wait(&mut queued);
+            }
+        }
+        if gate.step_aside_due() {
+            gate.step_aside();
+        }
+        twin.write(|index| apply_until_due(index, left, gate));
+    }
+}
+
+/// Applies the batches waiting in `left`, in order, until the step-aside interval has run;
+/// puts the rest back in front of any batch handed over meanwhile.
+fn apply_until_due(index: &mut KvIndex, left: &Left, gate: &ReadGate) {
+    let mut taken = left.take();
+    let mut applied = 0;
+    for batch in &taken {
+        for op in batch {
+            index.apply(op);
+        }
+        applied += 1;
+        if gate.step_aside_due() {
+            break;
+        }
+    }
+    left.applied(applied);
+    if applied < taken.len() {
+        let mut queued = left.queued.lock();
+        taken.drain(..applied);
+        taken.append(&mut queued);
+        *queued = taken;
+    }
+}
+
+impl Drop for IndexCell {
+    fn drop(&mut self) {
+        if let Kind::Two {
+            left,
+            threaded: true,
+            ..
+        } = &self.kind
+        {
+            let _queued = left.queued.lock();
+            left.ended.store(true, Ordering::Release);
+            left.wake.notify_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_writer_thread_ends_once_its_cell_is_dropped() {
+        let cell = IndexCell::with_writer(IndexCopies::Two, IndexWriter::Thread, None, || {
+            KvIndex::with_block_size(16)
+        })
+        .expect("thread");
+        let Kind::Two { left, .. } = &cell.kind else {
+            panic!("two copies");
+        };
+        let left = Arc::clone(left);
+        assert_eq!(
+            Arc::strong_count(&left),
+            3,
+            "the cell, its thread and this test"
+        );
+        drop(cell);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while Arc::strong_count(&left) > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            Arc::strong_count(&left),
+            1,
+            "the writer thread outlived its cell"
+        );
     }
 }

@@ -176,7 +176,7 @@ pub use error::{BuildError, ErrorKind, RejectionDetails, SelectionError};
 /// Listener statistics and their label sets, for exporters.
 pub use kv_events::{DropReason, FilterReason, ListenerStats};
 /// How many copies of each partition's index [`CoreConfig::kv_index_copies`] keeps.
-pub use kv_index::IndexCopies;
+pub use kv_index::{IndexCopies, IndexWriter};
 pub use metrics::{
     CoreMetrics, LatencyHistogram, METRICS_PREFIX, RejectedOperation, RejectionReason,
     SELECTION_LATENCY_BUCKETS_US,

@@ -11,7 +11,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use kv_index::{IndexCell, IndexCopies, KvIndex, MAX_LEFT_BATCHES, OverlapScores, TieredMatches};
+use kv_index::{
+    IndexCell, IndexCopies, IndexWriter, KvIndex, MAX_LEFT_BATCHES, OverlapScores, TieredMatches,
+};
 use kv_types::{ExternalHash, KvOperation, StorageTier, WorkerId, WorkerKey};
 use proptest::prelude::*;
 
@@ -131,9 +133,27 @@ proptest! {
         batches in prop::collection::vec(prop::collection::vec(op_strategy(), 1..8), 1..14),
         queries in prop::collection::vec(prop::collection::vec(0u64..6, 1..6), 1..8),
     ) {
-        let cell = IndexCell::new(IndexCopies::Two, None, || KvIndex::with_block_size(4));
+        for writer in [IndexWriter::Listeners, IndexWriter::Thread] {
+            mirror_answers_like_one_index(writer, &batches, &queries)?;
+        }
+    }
+}
+
+/// `batches` applied to a two-copy cell whose batches `writer` applies, and to a plain
+/// index: after each batch, lookups and cold reads of the cell answer `queries` as the
+/// plain index does.
+fn mirror_answers_like_one_index(
+    writer: IndexWriter,
+    batches: &[Vec<Op>],
+    queries: &[Vec<u64>],
+) -> Result<(), TestCaseError> {
+    {
+        let cell = IndexCell::with_writer(IndexCopies::Two, writer, None, || {
+            KvIndex::with_block_size(4)
+        })
+        .expect("writer thread");
         let mut plain = KvIndex::with_block_size(4);
-        for batch in &batches {
+        for batch in batches {
             let mut ops = Vec::new();
             for op in batch {
                 // Not events: the catalog's paths, each one write of its own.
@@ -152,15 +172,21 @@ proptest! {
             for op in &ops {
                 plain.apply(op);
             }
-            let expect = answers(&plain, &queries);
-            prop_assert_eq!(&answers(&cell.read(), &queries), &expect);
-            prop_assert_eq!(&answers(&cell.read_whole(), &queries), &expect);
+            let expect = answers(&plain, queries);
+            // A cold read waits for the writer thread to apply what was handed over; a
+            // lookup sees it once that thread's turn is over.
+            prop_assert_eq!(&answers(&cell.read_whole(), queries), &expect);
+            cell.settle();
+            prop_assert_eq!(&answers(&cell.read(), queries), &expect);
             prop_assert_eq!(cell.read().primary_stats(), plain.primary_stats());
             prop_assert_eq!(cell.read().counters(), plain.counters());
         }
-        // One thread: no read can lose a try to a writer.
-        prop_assert_eq!(cell.waits().reader_waits, 0);
+        if writer == IndexWriter::Listeners {
+            // One thread: no read can lose a try to a writer.
+            prop_assert_eq!(cell.waits().reader_waits, 0);
+        }
     }
+    Ok(())
 }
 
 /// Starts a `cell.write` on another thread that applies `change` and then keeps the turn
@@ -291,10 +317,24 @@ fn moving_an_index_between_cells_keeps_its_answers_whatever_their_copies() {
 /// mirror is locked to catch up with it). Both copies hold every batch at the end.
 #[test]
 fn readers_see_whole_batches_that_never_go_back_while_two_writers_race() {
+    batches_race(IndexWriter::Listeners);
+}
+
+/// The same with a writer thread: the two listeners hand their batches over, and it
+/// applies them.
+#[test]
+fn readers_see_whole_batches_that_never_go_back_while_two_listeners_hand_them_over() {
+    batches_race(IndexWriter::Thread);
+}
+
+fn batches_race(writer: IndexWriter) {
     const BATCHES: u64 = 400;
-    let cell = Arc::new(IndexCell::new(IndexCopies::Two, None, || {
-        KvIndex::with_block_size(16)
-    }));
+    let cell = Arc::new(
+        IndexCell::with_writer(IndexCopies::Two, writer, None, || {
+            KvIndex::with_block_size(16)
+        })
+        .expect("writer thread"),
+    );
     let chain =
         |worker: u64| -> Vec<u64> { (0..BATCHES * 4).map(|i| worker * 10_000 + i).collect() };
     let done = Arc::new(AtomicU32::new(0));
@@ -347,6 +387,9 @@ fn readers_see_whole_batches_that_never_go_back_while_two_writers_race() {
     }
     for reader in readers {
         assert!(reader.join().expect("reader") > 0);
+    }
+    if writer == IndexWriter::Thread {
+        cell.settle();
     }
     let mut out = OverlapScores::new();
     for _ in 0..2 {
@@ -434,6 +477,139 @@ fn a_bounded_number_of_batches_waits_for_a_writer_that_holds_the_turn() {
     release.send(()).expect("holder alive");
     holder.join().expect("holder");
     listener.join().expect("listener");
+    let mut out = OverlapScores::new();
+    let chain: Vec<u64> = (0..u64::from(bound) + 8).collect();
+    cell.read().find_matches(&q(&chain), &mut out);
+    assert_eq!(out.score(w(2, 0)), bound + 8);
+}
+
+/// A two-copy cell with a writer thread.
+fn threaded_cell() -> Arc<IndexCell> {
+    Arc::new(
+        IndexCell::with_writer(IndexCopies::Two, IndexWriter::Thread, None, || {
+            KvIndex::with_block_size(16)
+        })
+        .expect("writer thread"),
+    )
+}
+
+/// What a lookup of chain `1, 2` finds of worker 2.
+fn worker_2_on_1_2(cell: &IndexCell) -> u32 {
+    let mut out = OverlapScores::new();
+    cell.read().find_matches(&q(&[1, 2]), &mut out);
+    out.score(w(2, 0))
+}
+
+/// A listener hands its batch to the writer thread and returns without waiting for the
+/// turn, even while a catalog write holds it; the thread applies the batch without any
+/// further call, once the turn is free.
+#[test]
+fn the_writer_thread_applies_a_handed_batch_on_its_own() {
+    let cell = threaded_cell();
+    cell.apply_batch(&[stored(w(2, 0), StorageTier::Device, None, &[(1, 11)])]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while worker_2_on_1_2(&cell) < 1 && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        worker_2_on_1_2(&cell),
+        1,
+        "the writer thread applied nothing"
+    );
+
+    let (holder, release) = hold_a_write(&cell, |_| ());
+    let (returned_tx, returned) = mpsc::channel();
+    let listener = {
+        let cell = Arc::clone(&cell);
+        thread::spawn(move || {
+            cell.apply_batch(&[stored(w(2, 0), StorageTier::Device, Some(11), &[(2, 12)])]);
+            let _ = returned_tx.send(());
+        })
+    };
+    let handed = returned.recv_timeout(Duration::from_secs(10)).is_ok();
+    let seen_while_held = worker_2_on_1_2(&cell);
+    release.send(()).expect("holder alive");
+    holder.join().expect("holder");
+    listener.join().expect("listener");
+    assert!(handed, "the listener waited for the turn");
+    assert_eq!(seen_while_held, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while worker_2_on_1_2(&cell) < 2 && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(worker_2_on_1_2(&cell), 2);
+}
+
+/// A cold read waits for the batches handed over before it (the writer thread cannot
+/// apply them while a catalog write holds the turn), and then finds them.
+#[test]
+fn a_cold_read_waits_for_the_batches_handed_over_before_it() {
+    let cell = threaded_cell();
+    let (holder, release) = hold_a_write(&cell, |_| ());
+    cell.apply_batch(&[stored(
+        w(2, 0),
+        StorageTier::Device,
+        None,
+        &[(1, 11), (2, 12)],
+    )]);
+    let (read_tx, read) = mpsc::channel();
+    let reader = {
+        let cell = Arc::clone(&cell);
+        thread::spawn(move || {
+            let index = cell.read_whole();
+            let _ = read_tx.send(index.primary().holds(w(2, 0), &q(&[1, 2])));
+        })
+    };
+    let early = read.recv_timeout(Duration::from_millis(100));
+    release.send(()).expect("holder alive");
+    holder.join().expect("holder");
+    let held = read.recv_timeout(Duration::from_secs(10));
+    assert!(
+        early.is_err(),
+        "the cold read did not wait for the handed batch"
+    );
+    assert_eq!(held, Ok(true));
+    reader.join().expect("reader");
+}
+
+/// Batches handed to a writer thread that cannot take the turn are bounded as left ones
+/// are: the listener waits once [`MAX_LEFT_BATCHES`] wait, and every batch is applied in
+/// order once the turn is free.
+#[test]
+fn a_bounded_number_of_batches_waits_for_the_writer_thread() {
+    let bound = MAX_LEFT_BATCHES as u32;
+    let cell = threaded_cell();
+    let (holder, release) = hold_a_write(&cell, |_| ());
+    let returned = Arc::new(AtomicU32::new(0));
+    let listener = {
+        let (cell, returned) = (Arc::clone(&cell), Arc::clone(&returned));
+        thread::spawn(move || {
+            for i in 0..u64::from(bound) + 8 {
+                let parent = i.checked_sub(1).map(|p| p + 100);
+                cell.apply_batch(&[stored(
+                    w(2, 0),
+                    StorageTier::Device,
+                    parent,
+                    &[(i, i + 100)],
+                )]);
+                returned.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while returned.load(Ordering::SeqCst) < bound && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(5));
+    }
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        returned.load(Ordering::SeqCst),
+        bound,
+        "more batches handed over than the bound"
+    );
+    release.send(()).expect("holder alive");
+    holder.join().expect("holder");
+    listener.join().expect("listener");
+    cell.settle();
     let mut out = OverlapScores::new();
     let chain: Vec<u64> = (0..u64::from(bound) + 8).collect();
     cell.read().find_matches(&q(&chain), &mut out);

@@ -354,11 +354,20 @@ impl SelectionCore {
         let mut icfg = index_config(router);
         icfg.block_size = block_size;
         let origin = Instant::now();
-        let index = IndexCell::new(
+        let make = || KvIndex::new(&icfg, origin);
+        let (copies, step_aside) = (
             self.config.kv_index_copies,
             self.config.kv_writer_step_aside,
-            || KvIndex::new(&icfg, origin),
         );
+        let index = IndexCell::with_writer(copies, self.config.kv_index_writer, step_aside, make)
+            .unwrap_or_else(|e| {
+                tracing::warn!(
+                    partition = %key.for_log(),
+                    error = %e,
+                    "cannot start the index writer thread; the listeners write the index"
+                );
+                IndexCell::new(copies, step_aside, make)
+            });
         let records_decisions = records_decisions(&index.read_whole());
         Partition {
             key,

@@ -46,16 +46,14 @@ impl SelectionCore {
 /// is the one that stored (other listeners of the partition may have evicted too; the
 /// per-rank counter in `/metrics` tells them apart).
 fn warn_capacity_evictions(p: &Partition, worker: WorkerKey) {
-    let (total, rank_total) = {
-        let index = p.index.read_whole();
-        (
-            index.counters().capacity_evicted,
-            index.primary().capacity_evicted(worker),
-        )
-    };
+    // The total from a lookup's copy (a two-copy mirror has the counters), so that a
+    // listener does not wait for the index's writer on every batch; the whole index only
+    // when a warning is due.
+    let total = p.index.read().counters().capacity_evicted;
     let Some(evicted) = p.capacity_log.lock().due(total) else {
         return;
     };
+    let rank_total = p.index.read_whole().primary().capacity_evicted(worker);
     tracing::warn!(
         partition = %p.key.for_log(),
         worker_id = worker.worker_id.0,

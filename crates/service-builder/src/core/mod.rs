@@ -74,6 +74,11 @@ pub struct CoreConfig {
     /// for a writer, for a third more index memory and more write CPU (docs/hot-path.md,
     /// "a lookup-only mirror").
     pub kv_index_copies: kv_index::IndexCopies,
+    /// Who applies the listeners' batches to a two-copy index: the listener threads, one
+    /// at a time, or a writer thread per partition that they hand their batches to, so
+    /// that decoding and writing run on two cores (docs/hot-path.md, "a writer thread").
+    /// One copy ignores it.
+    pub kv_index_writer: kv_index::IndexWriter,
     /// Messages each KV listener queues unread before it stops reading its connection
     /// (`ZMQ_RCVHWM`; libzmq's default 1,000). With the largest message accepted, this
     /// bounds the memory a stalled server gives to backlogs; past it the engines drop,
@@ -107,6 +112,7 @@ impl Default for CoreConfig {
             kv_listener_threads: None,
             kv_writer_step_aside: Some(DEFAULT_KV_WRITER_STEP_ASIDE),
             kv_index_copies: kv_index::IndexCopies::One,
+            kv_index_writer: kv_index::IndexWriter::Listeners,
             kv_receive_hwm: kv_events::DEFAULT_RECEIVE_HWM,
             rng_seed: None,
             session_affinity_ttl: None,

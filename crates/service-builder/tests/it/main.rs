@@ -17,12 +17,20 @@ use std::time::{Duration, Instant};
 use kv_types::{HashOptions, WorkerKey};
 use selection_policy::RouterConfig;
 use service_builder::{
-    CoreConfig, ErrorKind, IndexCopies, Lifecycle, PartitionKey, PromptInput, PromptQuery,
-    ReservationRequest, SelectRequest, SelectionCore, WorkerPatch, WorkerRequest,
+    CoreConfig, ErrorKind, IndexCopies, IndexWriter, Lifecycle, PartitionKey, PromptInput,
+    PromptQuery, ReservationRequest, SelectRequest, SelectionCore, WorkerPatch, WorkerRequest,
 };
 use testkit::free_port;
 
 const BLOCK: u32 = 4;
+
+/// The ways a partition's index can be held: one copy; two, written by the listeners; two,
+/// written by a writer thread.
+const INDEXES: [(IndexCopies, IndexWriter); 3] = [
+    (IndexCopies::One, IndexWriter::Listeners),
+    (IndexCopies::Two, IndexWriter::Listeners),
+    (IndexCopies::Two, IndexWriter::Thread),
+];
 
 fn approx_config() -> CoreConfig {
     CoreConfig {
@@ -197,14 +205,18 @@ fn generated_selection_ids_are_uuid_v4() {
 
 #[test]
 fn approximate_mode_records_bookings_and_steers_the_next_request() {
-    for copies in [IndexCopies::One, IndexCopies::Two] {
-        approximate_mode_records_bookings_and_steers_the_next_request_with(copies);
+    for (copies, writer) in INDEXES {
+        approximate_mode_records_bookings_and_steers_the_next_request_with(copies, writer);
     }
 }
 
-fn approximate_mode_records_bookings_and_steers_the_next_request_with(copies: IndexCopies) {
+fn approximate_mode_records_bookings_and_steers_the_next_request_with(
+    copies: IndexCopies,
+    writer: IndexWriter,
+) {
     let c = core(CoreConfig {
         kv_index_copies: copies,
+        kv_index_writer: writer,
         ..approx_config()
     });
     for id in 1..=4 {
@@ -578,17 +590,18 @@ fn bound_publisher() -> (zmq::Context, zmq::Socket, String) {
 
 #[test]
 fn engine_events_over_zmq_steer_selection() {
-    for copies in [IndexCopies::One, IndexCopies::Two] {
-        engine_events_over_zmq_steer_selection_with(copies);
+    for (copies, writer) in INDEXES {
+        engine_events_over_zmq_steer_selection_with(copies, writer);
     }
 }
 
-fn engine_events_over_zmq_steer_selection_with(copies: IndexCopies) {
+fn engine_events_over_zmq_steer_selection_with(copies: IndexCopies, writer: IndexWriter) {
     let (_ctx, publisher, endpoint) = bound_publisher();
 
     let config = CoreConfig {
         rng_seed: Some(3),
         kv_index_copies: copies,
+        kv_index_writer: writer,
         ..CoreConfig::default()
     };
     let c = core(config);
@@ -717,12 +730,15 @@ fn recovery_applies_dumps_by_the_peer_rules() {
 /// partition with another block size applies to it.
 #[test]
 fn recovered_partitions_take_the_first_workers_block_size() {
-    for copies in [IndexCopies::One, IndexCopies::Two] {
-        recovered_partitions_take_the_first_workers_block_size_with(copies);
+    for (copies, writer) in INDEXES {
+        recovered_partitions_take_the_first_workers_block_size_with(copies, writer);
     }
 }
 
-fn recovered_partitions_take_the_first_workers_block_size_with(copies: IndexCopies) {
+fn recovered_partitions_take_the_first_workers_block_size_with(
+    copies: IndexCopies,
+    writer: IndexWriter,
+) {
     let dump = |block_size: u32, hash: u64| {
         format!(
             r#"{{"m:default":{{"block_size":{block_size},"events":[{{"worker_id":1,"event":{{"event_id":0,"data":{{"stored":{{"parent_hash":null,"start_position":null,"blocks":[{{"block_hash":{hash},"tokens_hash":{hash},"mm_extra_info":null}}]}}}}}}}}]}}}}"#
@@ -745,6 +761,7 @@ fn recovered_partitions_take_the_first_workers_block_size_with(copies: IndexCopi
 
     let c = core(CoreConfig {
         kv_index_copies: copies,
+        kv_index_writer: writer,
         ..CoreConfig::default()
     });
     assert_eq!(c.restore_from_dump(dump(16, 7).as_bytes()).unwrap(), 1);
@@ -770,6 +787,7 @@ fn recovered_partitions_take_the_first_workers_block_size_with(copies: IndexCopi
     // A first worker with the dump's block size joins without a change.
     let c = core(CoreConfig {
         kv_index_copies: copies,
+        kv_index_writer: writer,
         ..CoreConfig::default()
     });
     c.restore_from_dump(dump(BLOCK, 7).as_bytes()).unwrap();
@@ -781,6 +799,7 @@ fn recovered_partitions_take_the_first_workers_block_size_with(copies: IndexCopi
     // A block size of 0 fails the peer, from a dump or given directly.
     let c = core(CoreConfig {
         kv_index_copies: copies,
+        kv_index_writer: writer,
         ..CoreConfig::default()
     });
     let e = c.restore_from_dump(dump(0, 7).as_bytes()).unwrap_err();
