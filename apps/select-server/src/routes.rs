@@ -274,7 +274,13 @@ impl<B: Backend> Routes<B> {
         match (route, method) {
             (Route::Health, Method::GET) => json(StatusCode::OK, &StatusOk::OK),
             (Route::Metrics, Method::GET) => {
-                let mut text = be.metrics_text();
+                // On the blocking pool: a scrape reads every partition's whole index, which
+                // waits for a write section in progress (one copy) or for the writer
+                // thread to apply the batches handed to it (a threaded two-copy index).
+                let backend = Arc::clone(&self.backend);
+                let mut text = tokio::task::spawn_blocking(move || backend.metrics_text())
+                    .await
+                    .map_err(|e| ApiError::internal(format!("metrics task failed: {e}")))?;
                 self.edge.encode_into(&mut text);
                 Ok(metrics_response(text))
             }

@@ -45,10 +45,13 @@ impl Collector for ScrapeCollector {
         let Some(core) = self.core.upgrade() else {
             return Ok(());
         };
+        // Listeners before the index: a batch a listener counts as applied was handed to
+        // its index, and the index's figures, read after, include it (a threaded index's
+        // cold read waits for the batches handed before it).
+        encode_listeners(&core, &mut enc)?;
         encode_state(&core, &mut enc)?;
         encode_index(&core, &mut enc)?;
-        encode_replica(&core, &mut enc)?;
-        encode_listeners(&core, &mut enc)
+        encode_replica(&core, &mut enc)
     }
 }
 
