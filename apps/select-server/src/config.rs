@@ -224,7 +224,7 @@ struct Cli {
     /// With --kv-index-copies 2: a writer thread per partition applies the KV listeners'
     /// batches, which they hand over instead of writing the index themselves, so decoding
     /// and the index write run on two cores at once. A batch reaches lookups once that
-    /// thread has applied it (microseconds later, at most 256 batches behind).
+    /// thread has applied it (microseconds later, a few milliseconds at most).
     #[arg(long)]
     kv_index_writer_thread: bool,
 

@@ -101,7 +101,7 @@ struct Left {
     queued: Mutex<Vec<Vec<KvOperation>>>,
     /// The writer thread waits here for batches, or for its cell to be dropped.
     wake: Condvar,
-    /// Listeners that found [`MAX_LEFT_BATCHES`] waiting wait here for the writer thread
+    /// Listeners that found [`MAX_HANDED_BATCHES`] waiting wait here for the writer thread
     /// to take them.
     room: Condvar,
     /// The cell was dropped: its writer thread ends (set under `queued`'s lock).
@@ -364,6 +364,12 @@ impl IndexCell {
 /// reading its engine's socket, as with one copy.
 pub const MAX_LEFT_BATCHES: usize = 256;
 
+/// How many batches (a listener's handful of engine batches each) wait for a cell's writer
+/// thread before the listener that hands one more waits: enough to keep the writer busy
+/// while the listener decodes, few enough that lookups see a batch a few milliseconds
+/// after its listener handed it over, at most.
+pub const MAX_HANDED_BATCHES: usize = 16;
+
 /// Applies `ops` to a two-copy index, or leaves a copy of them to the writer that has the
 /// turn: that writer applies every batch left before it lets the turn go, so the batches of
 /// one partition are written by one thread at a time while the others go on decoding, and
@@ -411,7 +417,7 @@ fn apply_left(index: &mut KvIndex, left: &Left, mine: Option<&[KvOperation]>) {
     left.applied(taken.len());
 }
 
-/// Hands a copy of `ops` to the cell's writer thread, waiting while [`MAX_LEFT_BATCHES`]
+/// Hands a copy of `ops` to the cell's writer thread, waiting while [`MAX_HANDED_BATCHES`]
 /// wait for it (so a listener still feels the index's pace).
 fn hand_over(left: &Left, ops: &[KvOperation]) {
     if ops.is_empty() {
@@ -419,7 +425,7 @@ fn hand_over(left: &Left, ops: &[KvOperation]) {
     }
     let copy = ops.to_vec();
     let mut queued = left.queued.lock();
-    while queued.len() >= MAX_LEFT_BATCHES {
+    while queued.len() >= MAX_HANDED_BATCHES {
         left.room.wait(&mut queued);
     }
     left.push(&mut queued, copy);

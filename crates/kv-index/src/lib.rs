@@ -141,7 +141,10 @@ mod tiers;
 mod ttl;
 mod twin;
 
-pub use cell::{IndexCell, IndexCopies, IndexRead, IndexWaits, IndexWriter, MAX_LEFT_BATCHES};
+pub use cell::{
+    IndexCell, IndexCopies, IndexRead, IndexWaits, IndexWriter, MAX_HANDED_BATCHES,
+    MAX_LEFT_BATCHES,
+};
 pub use gate::{GateCounts, ReadGate};
 pub use index::{
     ApplyCounters, ApplyOutcome, ApproxCachePolicy, IndexConfig, IndexConfigError,

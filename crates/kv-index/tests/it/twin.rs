@@ -12,7 +12,8 @@ use std::thread;
 use std::time::Duration;
 
 use kv_index::{
-    IndexCell, IndexCopies, IndexWriter, KvIndex, MAX_LEFT_BATCHES, OverlapScores, TieredMatches,
+    IndexCell, IndexCopies, IndexWriter, KvIndex, MAX_HANDED_BATCHES, MAX_LEFT_BATCHES,
+    OverlapScores, TieredMatches,
 };
 use kv_types::{ExternalHash, KvOperation, StorageTier, WorkerId, WorkerKey};
 use proptest::prelude::*;
@@ -572,12 +573,12 @@ fn a_cold_read_waits_for_the_batches_handed_over_before_it() {
     reader.join().expect("reader");
 }
 
-/// Batches handed to a writer thread that cannot take the turn are bounded as left ones
-/// are: the listener waits once [`MAX_LEFT_BATCHES`] wait, and every batch is applied in
-/// order once the turn is free.
+/// Batches handed to a writer thread that cannot take the turn are bounded: the listener
+/// waits once [`MAX_HANDED_BATCHES`] wait, and every batch is applied in order once the
+/// turn is free.
 #[test]
 fn a_bounded_number_of_batches_waits_for_the_writer_thread() {
-    let bound = MAX_LEFT_BATCHES as u32;
+    let bound = MAX_HANDED_BATCHES as u32;
     let cell = threaded_cell();
     let (holder, release) = hold_a_write(&cell, |_| ());
     let returned = Arc::new(AtomicU32::new(0));
