@@ -119,8 +119,12 @@
 //!   copying what each write touched, which the trie's containers note
 //!   (`primary/logged.rs`, `primary/mirror.rs`); it has no per-worker maps. A listener
 //!   batch that finds another writer with the turn is left to it (a bounded queue), so
-//!   one thread writes a partition at a time. It still costs memory and write work, so it
-//!   is the caller's choice.
+//!   one thread writes a partition at a time. With [`IndexWriter::Thread`]
+//!   ([`IndexCell::with_writer`]) a thread of the cell's own applies every batch: the
+//!   listeners hand theirs over and go back to decoding, so decoding and the index write
+//!   run on two cores, and cold reads ([`IndexCell::read_whole`]) wait for the batches
+//!   handed over before them. It still costs memory and write work, so it is the
+//!   caller's choice.
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench
