@@ -28,6 +28,16 @@ use std::time::{Duration, Instant};
 /// How often the waits re-check their condition.
 const POLL: Duration = Duration::from_millis(20);
 
+/// The port of a ZMQ `tcp://host:port` endpoint, e.g. the `get_last_endpoint` of a socket
+/// bound to `tcp://127.0.0.1:*`: binding the wildcard lets the kernel pick the port at bind
+/// time, where [`free_port`] then `bind` leaves a window for another process to take it.
+pub fn endpoint_port(endpoint: &str) -> u16 {
+    endpoint
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.parse().ok())
+        .unwrap_or_else(|| panic!("no port in endpoint {endpoint:?}"))
+}
+
 /// A loopback TCP port that was free a moment ago. Another process can take it before the
 /// caller binds it; callers that start servers retry on a bind failure.
 pub fn free_port() -> u16 {
@@ -103,6 +113,12 @@ pub fn python_venv(dir: &Path, packages: &[&str]) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoint_ports_are_read_from_the_end() {
+        assert_eq!(endpoint_port("tcp://127.0.0.1:5557"), 5557);
+        assert_eq!(endpoint_port("tcp://[::1]:40000"), 40000);
+    }
 
     #[test]
     fn free_ports_bind() {

@@ -76,8 +76,7 @@ pub(crate) fn stored_batch(hashes: &[u64], tokens: &[u32], block_size: u32) -> V
 fn register_events_select_reserve_lifecycle_loads_dump() {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::PUB).unwrap();
-    let zport = free_port();
-    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let zport = bind_loopback(&publisher);
     let server = Server::start(&[]);
 
     assert_eq!(server.get("/ready").0, 503);
@@ -381,8 +380,7 @@ fn a_replica_port_in_use_fails_startup() {
 fn startup_recovery_copies_a_peers_index_and_skips_dead_peers() {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::PUB).unwrap();
-    let zport = free_port();
-    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let zport = bind_loopback(&publisher);
     let a = Server::start(&[]);
     let w = json!({"worker_id": 1, "endpoint": "http://w1", "block_size": 4,
                    "kv_events_endpoint": format!("tcp://127.0.0.1:{zport}")});
@@ -558,8 +556,7 @@ fn startup_raises_the_open_file_limit() {
     }
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::PUB).unwrap();
-    let zport = free_port();
-    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let zport = bind_loopback(&publisher);
     let server = (0..3)
         .find_map(|_| {
             let port = free_port();
@@ -782,8 +779,7 @@ fn register_pair(server: &Server, zport: u16) {
 fn cached_but_busier(server: &Server) -> (u64, String) {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::PUB).unwrap();
-    let zport = free_port();
-    publisher.bind(&format!("tcp://127.0.0.1:{zport}")).unwrap();
+    let zport = bind_loopback(&publisher);
     register_pair(server, zport);
     let tokens: Vec<u32> = (100..132).collect();
     let payload = stored_batch(&(500..508).collect::<Vec<_>>(), &tokens, 4);
@@ -905,4 +901,10 @@ fn bad_kv_bounded_values_exit_with_code_2_naming_the_field() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(field), "{yaml}: {stderr}");
     }
+}
+
+/// Binds `socket` to a loopback port the kernel picks at bind time; returns the port.
+fn bind_loopback(socket: &zmq::Socket) -> u16 {
+    socket.bind("tcp://127.0.0.1:*").unwrap();
+    testkit::endpoint_port(&socket.get_last_endpoint().unwrap().unwrap())
 }

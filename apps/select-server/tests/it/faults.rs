@@ -511,11 +511,11 @@ fn replicas_survive_a_killed_a_paused_and_a_flooding_peer() {
     warm_up(&b, &[&a], "b-after-pause");
 
     // A raw PUB floods A with envelopes as fast as it can for 3 s; A keeps answering.
-    let fport = free_port();
     let ctx = zmq::Context::new();
     let flooder = ctx.socket(zmq::PUB).unwrap();
     flooder.set_linger(0).unwrap();
-    flooder.bind(&format!("tcp://127.0.0.1:{fport}")).unwrap();
+    flooder.bind("tcp://127.0.0.1:*").unwrap();
+    let fport = testkit::endpoint_port(&flooder.get_last_endpoint().unwrap().unwrap());
     let peer = json!({"endpoint": format!("tcp://127.0.0.1:{fport}")});
     assert_eq!(a.post("/replica_sync/register_peer", peer.clone()).0, 201);
     let flood = std::thread::spawn(move || {

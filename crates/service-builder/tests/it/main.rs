@@ -583,8 +583,8 @@ fn encode_stored_batch(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> V
 fn bound_publisher() -> (zmq::Context, zmq::Socket, String) {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::PUB).unwrap();
-    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-    publisher.bind(&endpoint).unwrap();
+    publisher.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
     (ctx, publisher, endpoint)
 }
 
