@@ -112,6 +112,10 @@ struct Left {
     handed: AtomicU64,
     applied: AtomicU64,
     done: Condvar,
+    /// Batches the writer thread applied, given back to the listeners that hand theirs
+    /// over owned ([`IndexCell::apply_batch_owned`]): each takes one in exchange, so the
+    /// vectors go back to the thread that made them and are reused there.
+    returned: Mutex<Vec<Vec<KvOperation>>>,
 }
 
 impl Left {
@@ -126,6 +130,14 @@ impl Left {
         let taken = std::mem::take(&mut *self.queued.lock());
         self.room.notify_all();
         taken
+    }
+
+    /// Keeps `batches`, applied, for listeners to take back in exchange for theirs (at most
+    /// a queue's worth: the rest are dropped here).
+    fn give_back(&self, batches: impl Iterator<Item = Vec<KvOperation>>) {
+        let mut returned = self.returned.lock();
+        let room = MAX_HANDED_BATCHES.saturating_sub(returned.len());
+        returned.extend(batches.take(room));
     }
 
     /// Counts `n` batches taken from the queue as applied, for the cold reads that wait.
@@ -325,6 +337,31 @@ impl IndexCell {
         }
     }
 
+    /// [`IndexCell::apply_batch`] of a listener's own vector: a cell with a writer thread
+    /// keeps it rather than copying it, and leaves in its place a vector of operations it
+    /// has applied (or an empty one), for the listener to empty and reuse; any other cell
+    /// applies the batch and leaves `ops` as it was.
+    pub fn apply_batch_owned(&self, ops: &mut Vec<KvOperation>) {
+        match &self.kind {
+            Kind::Two {
+                left,
+                gate,
+                threaded: true,
+                ..
+            } => {
+                if gate.step_aside_due() {
+                    gate.step_aside();
+                }
+                if ops.is_empty() {
+                    return;
+                }
+                let spare = left.returned.lock().pop().unwrap_or_default();
+                queue(left, std::mem::replace(ops, spare));
+            }
+            _ => self.apply_batch(ops),
+        }
+    }
+
     /// Moves this index's content into `into` and leaves `fresh()` here (a recovered
     /// partition adopted by a new one).
     pub fn move_into(&self, into: &IndexCell, fresh: impl FnOnce() -> KvIndex) {
@@ -423,12 +460,16 @@ fn hand_over(left: &Left, ops: &[KvOperation]) {
     if ops.is_empty() {
         return;
     }
-    let copy = ops.to_vec();
+    queue(left, ops.to_vec());
+}
+
+/// Queues `batch` for the cell's writer thread, waiting while [`MAX_HANDED_BATCHES`] wait.
+fn queue(left: &Left, batch: Vec<KvOperation>) {
     let mut queued = left.queued.lock();
     while queued.len() >= MAX_HANDED_BATCHES {
         left.room.wait(&mut queued);
     }
-    left.push(&mut queued, copy);
+    left.push(&mut queued, batch);
     if queued.len() == 1 {
         left.wake.notify_one();
     }
@@ -480,11 +521,13 @@ fn apply_until_due(index: &mut KvIndex, left: &Left, gate: &ReadGate) {
         }
     }
     left.applied(applied);
-    if applied < taken.len() {
+    let rest = taken.split_off(applied);
+    left.give_back(taken.into_iter());
+    if !rest.is_empty() {
         let mut queued = left.queued.lock();
-        taken.drain(..applied);
-        taken.append(&mut queued);
-        *queued = taken;
+        let mut rest = rest;
+        rest.append(&mut queued);
+        *queued = rest;
     }
 }
 

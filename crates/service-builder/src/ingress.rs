@@ -42,6 +42,12 @@ fn private_endpoint(endpoint: &str) -> Option<String> {
 /// Where decoded engine events go (the core, through a weak reference).
 pub(crate) trait IngressSink: Send + Sync + 'static {
     fn apply(&self, partition: &PartitionKey, ops: &[KvOperation]);
+
+    /// [`IngressSink::apply`] that may keep `ops`, leaving another vector of operations
+    /// it is done with in their place ([`KvEventSink::apply_batches_owned`]).
+    fn apply_owned(&self, partition: &PartitionKey, ops: &mut Vec<KvOperation>) {
+        self.apply(partition, ops);
+    }
 }
 
 /// A listener's sink: its partition's index, through the core.
@@ -59,6 +65,10 @@ impl KvEventSink for PartitionSink {
     /// the batches one by one would, under one writer's turn instead of one per batch.
     fn apply_batches(&self, ops: &[KvOperation], _batches: &[(usize, u64)]) {
         self.sink.apply(&self.partition, ops);
+    }
+
+    fn apply_batches_owned(&self, ops: &mut Vec<KvOperation>, _batches: &[(usize, u64)]) {
+        self.sink.apply_owned(&self.partition, ops);
     }
 }
 

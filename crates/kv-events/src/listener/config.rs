@@ -30,6 +30,14 @@ pub trait KvEventSink: Send + Sync + 'static {
             start = end;
         }
     }
+
+    /// [`KvEventSink::apply_batches`] by a sink that may keep the operations instead of
+    /// copying them: it may swap `ops` with another vector of operations it is done with,
+    /// which the caller then empties and reuses as its own (its vectors included). The
+    /// default applies them where they are.
+    fn apply_batches_owned(&self, ops: &mut Vec<KvOperation>, batches: &[(usize, u64)]) {
+        self.apply_batches(ops, batches);
+    }
 }
 
 impl<F> KvEventSink for F

@@ -401,8 +401,6 @@ impl Worker {
         // nothing held, so its `finish` does not hand the same batches over again.
         let mut ops = std::mem::take(&mut self.ops);
         let mut pending = std::mem::take(&mut self.pending);
-        self.sink.apply_batches(&ops, &pending);
-        let stats = &self.shared.stats;
         let blocks: usize = ops
             .iter()
             .map(|op| match &op.kind {
@@ -410,8 +408,12 @@ impl Worker {
                 _ => 0,
             })
             .sum();
+        let count = ops.len();
+        // The sink may keep `ops` and give back another vector, done with, to reuse.
+        self.sink.apply_batches_owned(&mut ops, &pending);
+        let stats = &self.shared.stats;
         ListenerStats::add(&stats.batches_applied, pending.len() as u64);
-        ListenerStats::add(&stats.operations_applied, ops.len() as u64);
+        ListenerStats::add(&stats.operations_applied, count as u64);
         ListenerStats::add(&stats.blocks_stored, blocks as u64);
         self.shared.watermark.store(last, Ordering::Release);
         self.spares.lock().recycle(&mut ops);

@@ -369,7 +369,8 @@ fn batches_race(writer: IndexWriter) {
                 let mut seen = [0u32; 2];
                 let deadline = std::time::Instant::now() + Duration::from_secs(20);
                 let mut reads = 0u64;
-                while done.load(Ordering::SeqCst) < 2 && std::time::Instant::now() < deadline {
+                // At least one round, however soon the writers are done.
+                loop {
                     for (worker, query) in queries.iter().enumerate() {
                         cell.read().find_matches(query, &mut out);
                         let m = out.score(w(worker as u64, 0));
@@ -377,6 +378,9 @@ fn batches_race(writer: IndexWriter) {
                         assert!(m >= seen[worker], "went back from {} to {m}", seen[worker]);
                         seen[worker] = m;
                         reads += 1;
+                    }
+                    if done.load(Ordering::SeqCst) >= 2 || std::time::Instant::now() >= deadline {
+                        break;
                     }
                 }
                 reads
@@ -615,4 +619,42 @@ fn a_bounded_number_of_batches_waits_for_the_writer_thread() {
     let chain: Vec<u64> = (0..u64::from(bound) + 8).collect();
     cell.read().find_matches(&q(&chain), &mut out);
     assert_eq!(out.score(w(2, 0)), bound + 8);
+}
+
+/// A listener's own vector handed to a writer thread is kept, not copied; in exchange the
+/// listener gets a vector of operations the thread has applied (the batch it handed over
+/// before), to empty and reuse. Any other cell applies the batch and leaves the vector.
+#[test]
+fn a_writer_thread_keeps_a_listeners_vector_and_gives_back_an_applied_one() {
+    let cell = threaded_cell();
+    let first = stored(w(2, 0), StorageTier::Device, None, &[(1, 11)]);
+    let mut ops = vec![first.clone()];
+    cell.apply_batch_owned(&mut ops);
+    assert!(
+        ops.is_empty(),
+        "kept, with nothing applied yet to give back"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while worker_2_on_1_2(&cell) < 1 && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(1));
+    }
+    let mut ops = vec![stored(w(2, 0), StorageTier::Device, Some(11), &[(2, 12)])];
+    cell.apply_batch_owned(&mut ops);
+    assert_eq!(ops, vec![first], "the applied batch comes back");
+    cell.settle();
+    assert_eq!(worker_2_on_1_2(&cell), 2);
+
+    for copies in [IndexCopies::One, IndexCopies::Two] {
+        let cell = IndexCell::new(copies, None, || KvIndex::with_block_size(16));
+        let batch = vec![stored(
+            w(2, 0),
+            StorageTier::Device,
+            None,
+            &[(1, 11), (2, 12)],
+        )];
+        let mut ops = batch.clone();
+        cell.apply_batch_owned(&mut ops);
+        assert_eq!(ops, batch, "{copies:?}");
+        assert_eq!(worker_2_on_1_2(&cell), 2, "{copies:?}");
+    }
 }

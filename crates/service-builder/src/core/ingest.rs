@@ -15,6 +15,12 @@ impl IngressSink for std::sync::Weak<SelectionCore> {
             core.apply_events(partition, ops);
         }
     }
+
+    fn apply_owned(&self, partition: &PartitionKey, ops: &mut Vec<KvOperation>) {
+        if let Some(core) = self.upgrade() {
+            core.apply_listener_events(partition, ops);
+        }
+    }
 }
 
 impl SelectionCore {
@@ -24,19 +30,44 @@ impl SelectionCore {
         let Some(p) = self.partition(partition) else {
             return;
         };
+        let stored = stored_by(ops);
         // One copy: short write sections, handed over fairly, so a lookup waits behind at
         // most one section of a batch, never behind the whole batch or a writer that
         // re-locks at once. Two copies: lookups do not wait for it at all.
         p.index.apply_batch(ops);
-        let stored = ops
-            .iter()
-            .find(|op| matches!(op.kind, KvOperationKind::Stored { .. }))
-            .map(|op| op.worker);
-        if let Some(worker) = stored
-            && p.capacity_declared.load(Ordering::Relaxed)
-        {
-            warn_capacity_evictions(&p, worker);
-        }
+        after_apply(&p, stored);
+    }
+
+    /// [`SelectionCore::apply_events`] for a listener's vector of operations, which a
+    /// two-copy index with a writer thread keeps (leaving applied operations to reuse in
+    /// its place) instead of copying it.
+    pub(crate) fn apply_listener_events(
+        &self,
+        partition: &PartitionKey,
+        ops: &mut Vec<KvOperation>,
+    ) {
+        let Some(p) = self.partition(partition) else {
+            return;
+        };
+        let stored = stored_by(ops);
+        p.index.apply_batch_owned(ops);
+        after_apply(&p, stored);
+    }
+}
+
+/// The worker rank of the first store among `ops`.
+fn stored_by(ops: &[KvOperation]) -> Option<WorkerKey> {
+    ops.iter()
+        .find(|op| matches!(op.kind, KvOperationKind::Stored { .. }))
+        .map(|op| op.worker)
+}
+
+/// What follows a batch of `stored`'s events: the capacity warning, when one is due.
+fn after_apply(p: &Partition, stored: Option<WorkerKey>) {
+    if let Some(worker) = stored
+        && p.capacity_declared.load(Ordering::Relaxed)
+    {
+        warn_capacity_evictions(p, worker);
     }
 }
 
