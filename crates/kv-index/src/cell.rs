@@ -308,23 +308,17 @@ impl IndexCell {
                 gate,
             } => apply_batch_fairly(index, writers, gate, ops),
             Kind::Two {
-                left,
+                twin,
                 gate,
-                threaded: true,
-                ..
+                left,
+                threaded,
             } => {
-                if gate.step_aside_due() {
-                    gate.step_aside();
+                gate.step_aside_if_due();
+                if *threaded {
+                    hand_over(left, ops);
+                } else {
+                    apply_combining(twin, left, ops);
                 }
-                hand_over(left, ops);
-            }
-            Kind::Two {
-                twin, gate, left, ..
-            } => {
-                if gate.step_aside_due() {
-                    gate.step_aside();
-                }
-                apply_combining(twin, left, ops);
             }
         }
     }
@@ -342,23 +336,19 @@ impl IndexCell {
     /// has applied (or an empty one), for the listener to empty and reuse; any other cell
     /// applies the batch and leaves `ops` as it was.
     pub fn apply_batch_owned(&self, ops: &mut Vec<KvOperation>) {
-        match &self.kind {
-            Kind::Two {
-                left,
-                gate,
-                threaded: true,
-                ..
-            } => {
-                if gate.step_aside_due() {
-                    gate.step_aside();
-                }
-                if ops.is_empty() {
-                    return;
-                }
-                let spare = left.returned.lock().pop().unwrap_or_default();
-                queue(left, std::mem::replace(ops, spare));
-            }
-            _ => self.apply_batch(ops),
+        let Kind::Two {
+            left,
+            gate,
+            threaded: true,
+            ..
+        } = &self.kind
+        else {
+            return self.apply_batch(ops);
+        };
+        gate.step_aside_if_due();
+        if !ops.is_empty() {
+            let spare = left.returned.lock().pop().unwrap_or_default();
+            queue(left, std::mem::replace(ops, spare));
         }
     }
 
@@ -499,9 +489,7 @@ fn serve_writes(twin: &Twin, left: &Left, gate: &ReadGate) {
                 left.wake.wait(&mut queued);
             }
         }
-        if gate.step_aside_due() {
-            gate.step_aside();
-        }
+        gate.step_aside_if_due();
         twin.write(|index| apply_until_due(index, left, gate));
     }
 }

@@ -151,6 +151,13 @@ impl ReadGate {
         }
     }
 
+    /// [`ReadGate::step_aside`] if it is due; call it holding no lock of the index.
+    pub(crate) fn step_aside_if_due(&self) {
+        if self.step_aside_due() {
+            self.step_aside();
+        }
+    }
+
     /// Yields the calling batch writer's core; call it holding no lock of the index.
     pub(crate) fn step_aside(&self) {
         std::thread::yield_now();

@@ -448,14 +448,20 @@ fn a_batch_left_while_a_write_holds_the_turn_is_applied_when_that_write_ends() {
 /// one copy.
 #[test]
 fn a_bounded_number_of_batches_waits_for_a_writer_that_holds_the_turn() {
-    let bound = MAX_LEFT_BATCHES as u32;
     let cell = Arc::new(IndexCell::new(IndexCopies::Two, None, || {
         KvIndex::with_block_size(16)
     }));
-    let (holder, release) = hold_a_write(&cell, |_| ());
+    at_most_bound_batches_wait(&cell, MAX_LEFT_BATCHES as u32, false);
+}
+
+/// While a catalog write holds `cell`'s turn, a listener hands over `bound` batches of a
+/// chain and then waits; once the turn is free, the whole chain is applied in order (by
+/// the time the listener returns, or, with a writer thread, once the cell has settled).
+fn at_most_bound_batches_wait(cell: &Arc<IndexCell>, bound: u32, settle: bool) {
+    let (holder, release) = hold_a_write(cell, |_| ());
     let returned = Arc::new(AtomicU32::new(0));
     let listener = {
-        let (cell, returned) = (Arc::clone(&cell), Arc::clone(&returned));
+        let (cell, returned) = (Arc::clone(cell), Arc::clone(&returned));
         thread::spawn(move || {
             for i in 0..u64::from(bound) + 8 {
                 let parent = i.checked_sub(1).map(|p| p + 100);
@@ -477,11 +483,14 @@ fn a_bounded_number_of_batches_waits_for_a_writer_that_holds_the_turn() {
     assert_eq!(
         returned.load(Ordering::SeqCst),
         bound,
-        "more batches left than the bound"
+        "more batches waiting than the bound"
     );
     release.send(()).expect("holder alive");
     holder.join().expect("holder");
     listener.join().expect("listener");
+    if settle {
+        cell.settle();
+    }
     let mut out = OverlapScores::new();
     let chain: Vec<u64> = (0..u64::from(bound) + 8).collect();
     cell.read().find_matches(&q(&chain), &mut out);
@@ -582,43 +591,7 @@ fn a_cold_read_waits_for_the_batches_handed_over_before_it() {
 /// turn is free.
 #[test]
 fn a_bounded_number_of_batches_waits_for_the_writer_thread() {
-    let bound = MAX_HANDED_BATCHES as u32;
-    let cell = threaded_cell();
-    let (holder, release) = hold_a_write(&cell, |_| ());
-    let returned = Arc::new(AtomicU32::new(0));
-    let listener = {
-        let (cell, returned) = (Arc::clone(&cell), Arc::clone(&returned));
-        thread::spawn(move || {
-            for i in 0..u64::from(bound) + 8 {
-                let parent = i.checked_sub(1).map(|p| p + 100);
-                cell.apply_batch(&[stored(
-                    w(2, 0),
-                    StorageTier::Device,
-                    parent,
-                    &[(i, i + 100)],
-                )]);
-                returned.fetch_add(1, Ordering::SeqCst);
-            }
-        })
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while returned.load(Ordering::SeqCst) < bound && std::time::Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(5));
-    }
-    thread::sleep(Duration::from_millis(100));
-    assert_eq!(
-        returned.load(Ordering::SeqCst),
-        bound,
-        "more batches handed over than the bound"
-    );
-    release.send(()).expect("holder alive");
-    holder.join().expect("holder");
-    listener.join().expect("listener");
-    cell.settle();
-    let mut out = OverlapScores::new();
-    let chain: Vec<u64> = (0..u64::from(bound) + 8).collect();
-    cell.read().find_matches(&q(&chain), &mut out);
-    assert_eq!(out.score(w(2, 0)), bound + 8);
+    at_most_bound_batches_wait(&threaded_cell(), MAX_HANDED_BATCHES as u32, true);
 }
 
 /// A listener's own vector handed to a writer thread is kept, not copied; in exchange the

@@ -26,6 +26,8 @@ impl IngressSink for std::sync::Weak<SelectionCore> {
 impl SelectionCore {
     /// Applies normalized engine events to a partition's index: the same path the ZMQ
     /// listeners feed (for embedding hosts that receive events by other means, and replay).
+    /// With a writer thread (`CoreConfig::kv_index_writer`) they are handed to it, and
+    /// lookups see them once it has applied them, milliseconds later at most.
     pub fn apply_events(&self, partition: &PartitionKey, ops: &[KvOperation]) {
         let Some(p) = self.partition(partition) else {
             return;
