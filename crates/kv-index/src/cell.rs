@@ -116,6 +116,8 @@ struct Left {
     /// over owned ([`IndexCell::apply_batch_owned`]): each takes one in exchange, so the
     /// vectors go back to the thread that made them and are reused there.
     returned: Mutex<Vec<Vec<KvOperation>>>,
+    /// Turns of the writer thread that panicked (their batches lost).
+    writer_panics: AtomicU64,
 }
 
 impl Left {
@@ -179,6 +181,8 @@ pub struct IndexWaits {
     /// Lookups of a two-copy index that failed to read-lock either copy eight times in a
     /// row (the writer moving between them during each try) and waited.
     pub reader_waits: u64,
+    /// Turns of a writer thread whose apply panicked (a bug): their batches were lost.
+    pub writer_panics: u64,
 }
 
 impl IndexCell {
@@ -368,7 +372,9 @@ impl IndexCell {
                 lookups: gate.counts(),
                 ..IndexWaits::default()
             },
-            Kind::Two { twin, gate, .. } => {
+            Kind::Two {
+                twin, gate, left, ..
+            } => {
                 let c = twin.counts();
                 IndexWaits {
                     lookups: GateCounts {
@@ -379,6 +385,7 @@ impl IndexCell {
                     drains_over_50us: c.drains_over_50us,
                     longest_drain: c.longest_drain,
                     reader_waits: c.reader_waits,
+                    writer_panics: left.writer_panics.load(Ordering::Relaxed),
                 }
             }
         }
@@ -490,7 +497,29 @@ fn serve_writes(twin: &Twin, left: &Left, gate: &ReadGate) {
             }
         }
         gate.step_aside_if_due();
-        twin.write(|index| apply_until_due(index, left, gate));
+        // A batch whose apply panics (a bug) is lost, as a listener's would be, but the
+        // thread goes on: otherwise every listener of the partition would wait for room,
+        // and every cold read for it, for good. The twin copies the mirror whole after a
+        // write that panicked, and the batches it took count as applied.
+        let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            twin.write(|index| apply_until_due(index, left, gate));
+        }));
+        if turn.is_err() {
+            left.writer_panics.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Batches taken from a queue and not yet counted: counted as applied when dropped, even
+/// by a panic, so that cold reads waiting for them do not wait for good.
+struct Uncounted<'a> {
+    left: &'a Left,
+    batches: usize,
+}
+
+impl Drop for Uncounted<'_> {
+    fn drop(&mut self) {
+        self.left.applied(self.batches);
     }
 }
 
@@ -498,6 +527,10 @@ fn serve_writes(twin: &Twin, left: &Left, gate: &ReadGate) {
 /// puts the rest back in front of any batch handed over meanwhile.
 fn apply_until_due(index: &mut KvIndex, left: &Left, gate: &ReadGate) {
     let mut taken = left.take();
+    let mut uncounted = Uncounted {
+        left,
+        batches: taken.len(),
+    };
     let mut applied = 0;
     for batch in &taken {
         for op in batch {
@@ -508,7 +541,9 @@ fn apply_until_due(index: &mut KvIndex, left: &Left, gate: &ReadGate) {
             break;
         }
     }
-    left.applied(applied);
+    // The rest goes back to the queue, to be counted when applied.
+    uncounted.batches = applied;
+    drop(uncounted);
     let rest = taken.split_off(applied);
     left.give_back(taken.into_iter());
     if !rest.is_empty() {
@@ -537,6 +572,27 @@ impl Drop for IndexCell {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batches_taken_by_a_turn_that_panics_count_as_applied() {
+        let left = Left::default();
+        for _ in 0..3 {
+            let mut queued = left.queued.lock();
+            left.push(&mut queued, Vec::new());
+        }
+        let taken = left.take();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _uncounted = Uncounted {
+                left: &left,
+                batches: taken.len(),
+            };
+            panic!("a bug in the index");
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(left.applied.load(Ordering::Acquire), 3);
+        // Returns at once: nothing handed over is left to wait for.
+        left.wait_applied();
+    }
 
     #[test]
     fn a_writer_thread_ends_once_its_cell_is_dropped() {

@@ -282,6 +282,14 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
         MetricType::Counter,
         snapshot.iter().map(|r| (part(r), r.waits.reader_waits)),
     )?;
+    rows(
+        enc,
+        "index_writer_panics",
+        "Turns of an index writer thread (--kv-index-writer-thread) whose apply panicked, \
+         a bug: the batches it had taken were lost, and the thread went on.",
+        MetricType::Counter,
+        snapshot.iter().map(|r| (part(r), r.waits.writer_panics)),
+    )?;
     let mut longest = enc.encode_descriptor(
         "index_lookup_wait_max_seconds",
         "The longest such wait since the partition was created.",
