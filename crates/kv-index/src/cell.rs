@@ -61,8 +61,8 @@ enum Kind {
         gate: ReadGate,
     },
     Two {
-        /// Shared with the writer thread, if any (boxed besides: two indexes inline would
-        /// make every one-copy cell twice as large).
+        /// Shared with the writer thread, if any (on the heap besides: two indexes inline
+        /// would make every one-copy cell twice as large).
         twin: Arc<Twin>,
         /// Used only for its batch writers' step-aside (no lookup waits at it); shared with
         /// the writer thread, if any.
@@ -114,7 +114,7 @@ struct Left {
     done: Condvar,
     /// Batches the writer thread applied, given back to the listeners that hand theirs
     /// over owned ([`IndexCell::apply_batch_owned`]): each takes one in exchange, so the
-    /// vectors go back to the thread that made them and are reused there.
+    /// vectors go back to a listener thread and are reused there, not freed by the writer.
     returned: Mutex<Vec<Vec<KvOperation>>>,
     /// Turns of the writer thread that panicked (their batches lost).
     writer_panics: AtomicU64,
