@@ -37,7 +37,7 @@ pub enum IndexWriter {
     /// A thread of the cell's own: listeners hand their batches over and go back to
     /// decoding, so the index is written from one core while the next batches are decoded
     /// on another. A batch reaches lookups once that thread has applied it; cold reads
-    /// ([`IndexCell::read_whole`]) apply every batch handed over first.
+    /// ([`IndexCell::read_whole`]) wait for every batch handed over before them.
     Thread,
 }
 
@@ -285,14 +285,22 @@ impl IndexCell {
     pub fn write<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
         match &self.kind {
             Kind::One { index, .. } => f(&mut index.write()),
-            Kind::Two { twin, left, .. } => {
+            Kind::Two {
+                twin,
+                left,
+                threaded,
+                ..
+            } => {
                 // Batches left for the turn first: their writers returned before this call.
                 let out = twin.write(|index| {
                     apply_left(index, left, None);
                     f(index)
                 });
-                // And the ones left while `f` ran, which only a holder of the turn applies.
-                apply_combining(twin, left, &[]);
+                // And the ones left while `f` ran, which only a holder of the turn applies
+                // (a writer thread, woken by the first of them, applies them itself).
+                if !threaded {
+                    apply_combining(twin, left, &[]);
+                }
                 out
             }
         }
