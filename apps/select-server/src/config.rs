@@ -214,6 +214,13 @@ struct Cli {
     #[arg(long, default_value = "250", value_parser = clap::value_parser!(u64).range(0..=1_000_000), value_name = "US")]
     kv_writer_step_aside_us: u64,
 
+    /// Nice value increment (0-19) of the threads that receive and decode KV events (the
+    /// listener threads and ZMQ's I/O threads), so that on shared cores the HTTP threads
+    /// and a --kv-index-writer-thread get the larger share. Raising a nice value needs no
+    /// privilege; a thread that cannot lower itself runs as before, with a warning.
+    #[arg(long, default_value = "0", value_parser = clap::value_parser!(u8).range(0..=19), value_name = "N")]
+    kv_ingest_nice: u8,
+
     /// Copies of each partition's prefix index. 1: lookups wait for the event write in
     /// progress (microseconds, longer when the writer loses its core inside it). 2: the
     /// index and a lookup-only mirror; lookups never wait for a writer, for about a third
@@ -226,7 +233,8 @@ struct Cli {
     /// and the index write run on two cores at once. A batch reaches lookups once that
     /// thread has applied it (microseconds later, a few milliseconds at most). On 2 cores,
     /// with --kv-listener-threads 1 and --kv-writer-step-aside-us 500 it ingests at about
-    /// the one-copy default's rate with no lookup waiting for a write (docs/operations.md).
+    /// the one-copy default's rate with no lookup waiting for a write, and --kv-ingest-nice
+    /// 10 shortens the /select tail further (docs/operations.md).
     #[arg(long)]
     kv_index_writer_thread: bool,
 
@@ -339,6 +347,7 @@ pub struct ServerConfig {
     pub kv_listener_threads: Option<std::num::NonZeroUsize>,
     /// `--kv-writer-step-aside-us` (`None`: 0, never).
     pub kv_writer_step_aside: Option<Duration>,
+    pub kv_ingest_nice: u8,
     /// `--kv-index-copies`.
     pub kv_index_copies: service_builder::IndexCopies,
     /// `--kv-index-writer-thread`.
@@ -395,6 +404,7 @@ impl Default for ServerConfig {
             kv_replay_timeout: Duration::from_secs(5),
             kv_listener_threads: None,
             kv_writer_step_aside: Some(service_builder::DEFAULT_KV_WRITER_STEP_ASIDE),
+            kv_ingest_nice: 0,
             kv_index_copies: service_builder::IndexCopies::One,
             kv_index_writer: service_builder::IndexWriter::Listeners,
             kv_receive_hwm: 1000,
@@ -633,6 +643,7 @@ impl ServerConfig {
                 .and_then(std::num::NonZeroUsize::new),
             kv_writer_step_aside: (cli.kv_writer_step_aside_us > 0)
                 .then(|| Duration::from_micros(cli.kv_writer_step_aside_us)),
+            kv_ingest_nice: cli.kv_ingest_nice,
             kv_index_copies: match cli.kv_index_copies {
                 2 => service_builder::IndexCopies::Two,
                 _ => service_builder::IndexCopies::One,
@@ -1024,6 +1035,19 @@ mod tests {
         let cfg = parse(&["--http-threads", "3"], &[]).unwrap();
         assert_eq!(cfg.http_threads.map(std::num::NonZeroUsize::get), Some(3));
         assert!(err(&["--http-threads", "0"], &[]).contains("--http-threads"));
+    }
+
+    #[test]
+    fn kv_ingest_nice_defaults_to_zero_and_stops_at_nineteen() {
+        assert_eq!(parse(&[], &[]).unwrap().kv_ingest_nice, 0);
+        assert_eq!(
+            parse(&["--kv-ingest-nice", "10"], &[])
+                .unwrap()
+                .kv_ingest_nice,
+            10
+        );
+        assert!(err(&["--kv-ingest-nice", "20"], &[]).contains("--kv-ingest-nice"));
+        assert!(err(&["--kv-ingest-nice=-1"], &[]).contains("--kv-ingest-nice"));
     }
 
     #[test]

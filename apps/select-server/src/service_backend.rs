@@ -456,6 +456,7 @@ pub fn build_service(cfg: &crate::config::ServerConfig) -> anyhow::Result<Servic
         replay_timeout: cfg.kv_replay_timeout,
         kv_listener_threads: cfg.kv_listener_threads,
         kv_writer_step_aside: cfg.kv_writer_step_aside,
+        kv_ingest_nice: cfg.kv_ingest_nice,
         kv_index_copies: cfg.kv_index_copies,
         kv_index_writer: cfg.kv_index_writer,
         kv_receive_hwm: cfg.kv_receive_hwm,

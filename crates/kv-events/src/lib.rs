@@ -86,6 +86,7 @@ pub mod decode;
 mod endpoint;
 mod listener;
 mod normalize;
+mod priority;
 mod reader;
 mod spares;
 mod stats;
@@ -100,6 +101,7 @@ pub use listener::{
     KvEventSink, ListenerConfig, ListenerError, ListenerGroup, ListenerState,
 };
 pub use normalize::{FilterReason, Normalizer, TruncateReason};
+pub use priority::{MAX_NICE, lower_thread_priority};
 pub use spares::Spares;
 pub use stats::{DropReason, ListenerStats, ReasonTotals, UNREACHABLE_AFTER_RETRIES};
 pub use watermark::{SeqObservation, Watermark};

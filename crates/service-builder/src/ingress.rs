@@ -156,20 +156,27 @@ const LISTENERS_PER_CONTEXT: usize = 250;
 /// Name of libzmq's I/O and reaper threads (at most 15 bytes, Linux's limit).
 const ZMQ_THREAD_NAME: &str = "kv-zmq-io";
 
-/// A ZMQ context whose threads are named [`ZMQ_THREAD_NAME`].
+/// A ZMQ context whose threads are named [`ZMQ_THREAD_NAME`] and run with their nice value
+/// raised by `nice` ([`kv_events::lower_thread_priority`]).
 ///
 /// libzmq starts a context's I/O and reaper threads with its first socket, from the thread
 /// that opens it, and (as the `zmq` crate builds it) does not name them, so they take that
 /// thread's name: a registration's `tokio-rt-worker`. Under a stream of events the I/O
 /// thread is the third-busiest of the server, and per-thread tools (`top -H`, `perf`)
 /// showed its time as the async runtime's. A first socket opened and closed on a thread of
-/// that name starts them under it; should it fail, the listener's own socket reports why.
-fn named_context() -> zmq::Context {
+/// that name starts them under it, and with its nice value (a thread inherits its
+/// creator's); should it fail, the listener's own socket reports why.
+fn named_context(nice: u8) -> zmq::Context {
     let ctx = zmq::Context::new();
     let opener = ctx.clone();
     let started = std::thread::Builder::new()
         .name(ZMQ_THREAD_NAME.to_owned())
-        .spawn(move || opener.socket(zmq::SUB).map(drop));
+        .spawn(move || {
+            if let Err(error) = kv_events::lower_thread_priority(nice) {
+                tracing::warn!(%error, nice, "could not lower the ZMQ I/O threads' priority");
+            }
+            opener.socket(zmq::SUB).map(drop)
+        });
     if let Ok(handle) = started {
         let _ = handle.join();
     }
@@ -180,6 +187,8 @@ fn named_context() -> zmq::Context {
 #[derive(Debug)]
 struct ContextPool {
     cap: usize,
+    /// Nice value increment of the contexts' I/O threads.
+    nice: u8,
     slots: Mutex<Vec<Arc<ContextSlot>>>,
 }
 
@@ -210,6 +219,7 @@ impl ContextPool {
     fn new(cap: usize) -> Self {
         Self {
             cap: cap.max(1),
+            nice: 0,
             slots: Mutex::new(Vec::new()),
         }
     }
@@ -226,7 +236,7 @@ impl ContextPool {
             Some(s) => Arc::clone(s),
             None => {
                 let s = Arc::new(ContextSlot {
-                    ctx: named_context(),
+                    ctx: named_context(self.nice),
                     listeners: AtomicUsize::new(0),
                 });
                 slots.push(Arc::clone(&s));
@@ -262,6 +272,8 @@ const LISTENERS_PER_GROUP: usize = 1024;
 struct GroupPool {
     cap: usize,
     min_groups: usize,
+    /// Nice value increment of the groups' threads.
+    nice: u8,
     groups: Mutex<Vec<ListenerGroup>>,
 }
 
@@ -270,6 +282,7 @@ impl GroupPool {
         Self {
             cap: cap.max(1),
             min_groups,
+            nice: 0,
             groups: Mutex::new(Vec::new()),
         }
     }
@@ -284,7 +297,7 @@ impl GroupPool {
         {
             return Ok(g.clone());
         }
-        let g = ListenerGroup::new(format!("kv-events-{}", groups.len()))?;
+        let g = ListenerGroup::lowered(format!("kv-events-{}", groups.len()), self.nice)?;
         groups.push(g.clone());
         Ok(g)
     }
@@ -339,6 +352,14 @@ impl Ingress {
             listeners: Mutex::new(HashMap::new()),
             open: AtomicBool::new(true),
         }
+    }
+
+    /// Threads started from now on to receive and decode events (listener groups, ZMQ I/O
+    /// threads) run with their nice value raised by `nice`.
+    pub(crate) fn with_nice(mut self, nice: u8) -> Self {
+        self.contexts.nice = nice;
+        self.groups.nice = nice;
+        self
     }
 
     /// Listeners started from now on queue at most `messages` unread messages each.
@@ -683,7 +704,7 @@ mod tests {
                 .map(|c| c.trim_end().to_owned())
                 .collect()
         };
-        let ctx = super::named_context();
+        let ctx = super::named_context(0);
         // The I/O and reaper threads run from the first socket on, under the name, until
         // the context ends (other tests' contexts can only add to the count).
         let named = names()
@@ -692,6 +713,58 @@ mod tests {
             .count();
         assert!(named >= 2, "{named} named: {:?}", names());
         drop(ctx);
+    }
+
+    /// The nice values of this process's threads named `name` or starting with it.
+    #[cfg(target_os = "linux")]
+    fn nice_values(name: &str) -> Vec<i64> {
+        std::fs::read_dir("/proc/self/task")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm"))
+                    .is_ok_and(|c| c.trim_end().starts_with(name))
+            })
+            .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+            // After the parenthesised name: state is field 3, nice field 19.
+            .filter_map(|stat| {
+                let rest = &stat[stat.rfind(')')? + 1..];
+                rest.split_whitespace().nth(16)?.parse().ok()
+            })
+            .collect()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn ingest_threads_start_with_their_nice_value_raised() {
+        struct Nowhere;
+        impl super::IngressSink for Nowhere {
+            fn apply(&self, _: &crate::catalog::PartitionKey, _: &[KvOperation]) {}
+        }
+        // 7: no other test of this process lowers a thread by that much, so a thread at 7
+        // is one of this ingress's.
+        let ingress = super::Ingress::new(
+            std::sync::Arc::new(Nowhere),
+            std::time::Duration::from_secs(1),
+            NonZeroUsize::new(1),
+        )
+        .with_nice(7);
+        let _group = ingress.groups.group().expect("group");
+        let _lease = ingress.contexts.lease();
+        // The group's thread lowers itself once running: wait for it, boundedly.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !nice_values("kv-events-").contains(&7) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(
+            nice_values("kv-events-").contains(&7),
+            "{:?}",
+            nice_values("kv-events-")
+        );
+        // libzmq's I/O and reaper threads inherit the opener's value.
+        let io = nice_values(super::ZMQ_THREAD_NAME);
+        assert!(io.iter().filter(|&&n| n == 7).count() >= 2, "{io:?}");
     }
 
     #[test]

@@ -45,13 +45,25 @@ impl std::fmt::Debug for GroupHandle {
 impl ListenerGroup {
     /// Starts the group's thread, named `name`.
     pub fn new(name: impl Into<String>) -> Result<Self, ListenerError> {
+        Self::lowered(name, 0)
+    }
+
+    /// Like [`Self::new`], its thread's nice value raised by `nice` (see
+    /// [`crate::lower_thread_priority`]); a thread that cannot lower itself runs at its
+    /// creator's priority, with a warning.
+    pub fn lowered(name: impl Into<String>, nice: u8) -> Result<Self, ListenerError> {
         let poll = mio::Poll::new().map_err(ListenerError::Poller)?;
         let waker = mio::Waker::new(poll.registry(), WAKE).map_err(ListenerError::Poller)?;
         let shared = Arc::new(GroupShared::default());
         let for_thread = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || run_group(&for_thread, poll))
+            .spawn(move || {
+                if let Err(error) = crate::lower_thread_priority(nice) {
+                    tracing::warn!(%error, nice, "could not lower a KV listener thread's priority");
+                }
+                run_group(&for_thread, poll)
+            })
             .map_err(ListenerError::Spawn)?;
         let thread_id = thread.thread().id();
         Ok(Self {

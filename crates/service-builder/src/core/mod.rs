@@ -69,6 +69,13 @@ pub struct CoreConfig {
     /// listener is preempted between sections rather than inside one, and a woken HTTP
     /// thread gets the core within about this long (`None`: never; see kv-index's gate.rs).
     pub kv_writer_step_aside: Option<Duration>,
+    /// How much lower than the process's priority the threads that receive and decode KV
+    /// events run (nice value increment, 0–19): where they share cores with the HTTP
+    /// threads and an index writer thread, the serial work (the index write, lookups) gets
+    /// the larger share of a contended core (docs/hot-path.md, "ingest threads at a lower
+    /// priority"). With the listeners writing the index themselves, it lowers the writes
+    /// too.
+    pub kv_ingest_nice: u8,
     /// Copies of each partition's index: one behind a lock (lookups wait for the write
     /// section in progress), or the index and a lookup-only mirror, so lookups never wait
     /// for a writer, for a third more index memory and more write CPU (docs/hot-path.md,
@@ -111,6 +118,7 @@ impl Default for CoreConfig {
             replay_timeout: Duration::from_secs(5),
             kv_listener_threads: None,
             kv_writer_step_aside: Some(DEFAULT_KV_WRITER_STEP_ASIDE),
+            kv_ingest_nice: 0,
             kv_index_copies: kv_index::IndexCopies::One,
             kv_index_writer: kv_index::IndexWriter::Listeners,
             kv_receive_hwm: kv_events::DEFAULT_RECEIVE_HWM,
@@ -180,6 +188,7 @@ impl SelectionCore {
         let replay_timeout = config.replay_timeout;
         let listener_threads = config.kv_listener_threads;
         let receive_hwm = config.kv_receive_hwm;
+        let ingest_nice = config.kv_ingest_nice;
         Ok(Arc::new_cyclic(|weak: &std::sync::Weak<SelectionCore>| {
             let sink: Arc<dyn IngressSink> = Arc::new(weak.clone());
             Self {
@@ -190,7 +199,8 @@ impl SelectionCore {
                 catalog_mutation: Mutex::new(()),
                 reservations: Mutex::default(),
                 ingress: Ingress::new(sink, replay_timeout, listener_threads)
-                    .with_receive_hwm(receive_hwm),
+                    .with_receive_hwm(receive_hwm)
+                    .with_nice(ingest_nice),
                 shut_down: AtomicBool::new(false),
                 metrics: CoreMetrics::default(),
                 rng_seed: AtomicU64::new(seed),
