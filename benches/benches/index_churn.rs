@@ -82,8 +82,47 @@ fn run(chains: u64) {
     std::hint::black_box(&index);
 }
 
+/// The store that first takes a worker past its capacity, after it gained `chains` chains
+/// with nothing removed (an engine whose removals were lost): the eviction bookkeeping
+/// starts there, and the store is one write section.
+fn first_excess(chains: u64) {
+    let worker = WorkerKey::new(1, 0);
+    let mut index = KvIndex::with_block_size(16);
+    index.set_capacity(worker, Some(u32::try_from(chains * 8).unwrap_or(u32::MAX)));
+    // The last eighth of the fill is where the child counts are built, a step per store.
+    let mut filling = Duration::ZERO;
+    for c in 0..chains {
+        let t = Instant::now();
+        index.apply(&store(worker, c));
+        filling = filling.max(t.elapsed());
+    }
+    let mut longest = Duration::ZERO;
+    let mut next = Duration::ZERO;
+    for (i, c) in (chains..chains + 2).enumerate() {
+        let t = Instant::now();
+        index.apply(&store(worker, c));
+        let took = t.elapsed();
+        if i == 0 {
+            longest = took;
+        } else {
+            next = took;
+        }
+    }
+    eprintln!(
+        "index_churn: {} held blocks at capacity, the first store past it: {:.1?}, the next: {:.1?}; longest store filling it: {:.1?}",
+        chains * 8,
+        longest,
+        next,
+        filling
+    );
+    std::hint::black_box(&index);
+}
+
 fn main() {
     for chains in [25_000, 100_000] {
         run(chains);
+    }
+    for chains in [25_000, 125_000] {
+        first_excess(chains);
     }
 }

@@ -17,10 +17,23 @@
 //! chain off (a hole no engine leaves), so only blocks without such a child are evicted.
 //! Knowing that needs the worker's child count per block, which the trie cannot give
 //! cheaply (branch children sit in a hash map keyed by child). The counts are therefore
-//! built from the gain order the first time the worker exceeds its capacity, kept exact
-//! from then on by every gain and loss, and dropped again once the worker is well below its
-//! capacity (its removals arrive again), so only a worker that is losing removals pays a
-//! hash update per block.
+//! built from the gain order as the worker nears its capacity, kept exact from then on by
+//! every gain and loss, and dropped again once the worker is well below its capacity (its
+//! removals arrive again), so only a worker that is losing removals pays a hash update per
+//! block.
+//!
+//! # Counting ahead
+//! Counting a whole gain order at once took 78 ms at a million blocks, inside the store
+//! that first took the worker past its capacity: every lookup of a one-copy index waited
+//! for it. The count therefore starts once the worker holds seven eighths of its capacity
+//! and looks at a bounded number of entries per store ([`Capacity::count_ahead`]): at
+//! least [`COMPACT_PER_CALL`], and sixteen per block gained since the last step, so it
+//! ends before the last eighth is filled even when the order holds twice the capacity.
+//! Meanwhile every gain is counted at once and every loss of a counted block uncounts it,
+//! and a set of the counted nodes keeps a block that appears twice in the order (lost and
+//! gained again) from counting twice. Only a capacity lowered below the held blocks, or a
+//! single store of more than an eighth of the capacity, reaches an eviction before the
+//! count ends; that eviction finishes it at once.
 //!
 //! # Stale ids
 //! A block the worker loses stays in the gain order until it reaches the front or the order
@@ -89,6 +102,48 @@ pub(crate) struct Capacity {
     /// Per node, the number of its children this worker holds (absent = 0). `Some` only
     /// while the worker evicts; exact whenever `Some`.
     kids: Option<FxHashMap<u32, u32>>,
+    /// The count of `kids` in progress, while the worker nears its capacity.
+    ahead: Option<Box<Counting>>,
+}
+
+/// A count of the worker's children per node, built a step per store ahead of its first
+/// eviction (see "Counting ahead" above). No compaction runs meanwhile, so `order` only
+/// loses entries at its front.
+#[derive(Debug, Clone, Default)]
+struct Counting {
+    /// Per node, its children among `counted`.
+    kids: FxHashMap<u32, u32>,
+    /// The nodes counted so far: those of the entries looked at that were held then, and
+    /// every node gained since the count started, less the ones lost since.
+    counted: FxHashSet<u32>,
+    /// Index in `order` of the next entry to look at.
+    next: usize,
+    /// Entries from `next` on still to look at: the ones `order` held when the count
+    /// started, less those trimmed from its front before they were looked at.
+    left: usize,
+    /// Blocks gained since the last step: the next step looks at sixteen entries per block.
+    gained: usize,
+}
+
+impl Counting {
+    /// Counts `node`, a child of `parent`, unless it is counted already.
+    #[inline]
+    fn count(&mut self, node: u32, parent: u32) {
+        if self.counted.insert(node) {
+            *self.kids.entry(parent).or_insert(0) += 1;
+        }
+    }
+}
+
+/// Takes one child of `parent` off `kids`.
+#[inline]
+fn uncount(kids: &mut FxHashMap<u32, u32>, parent: u32) {
+    if let Some(n) = kids.get_mut(&parent) {
+        *n -= 1;
+        if *n == 0 {
+            kids.remove(&parent);
+        }
+    }
 }
 
 /// Ids kept in the gain order beyond twice the held blocks before it is compacted.
@@ -109,6 +164,7 @@ impl Capacity {
             seen: None,
             held: Vec::new(),
             kids: None,
+            ahead: None,
         }
     }
 
@@ -127,25 +183,84 @@ impl Capacity {
         self.order.push_back(entry(node, tag));
         if let Some(kids) = &mut self.kids {
             *kids.entry(parent).or_insert(0) += 1;
+        } else if let Some(ahead) = &mut self.ahead {
+            ahead.gained += 1;
+            ahead.count(node, parent);
         }
     }
 
-    /// Whether losses must be reported through [`Capacity::lost`] (only while evicting).
+    /// Whether losses must be reported through [`Capacity::lost`] (only while evicting or
+    /// counting ahead of it).
     #[inline]
     pub(crate) fn counting(&self) -> bool {
-        self.kids.is_some()
+        self.kids.is_some() || self.ahead.is_some()
     }
 
-    /// The worker lost a block whose parent is `parent`.
+    /// The worker lost `node`, a child of `parent`.
     #[inline]
-    pub(crate) fn lost(&mut self, parent: u32) {
-        if let Some(kids) = &mut self.kids
-            && let Some(n) = kids.get_mut(&parent)
+    pub(crate) fn lost(&mut self, node: u32, parent: u32) {
+        if let Some(kids) = &mut self.kids {
+            uncount(kids, parent);
+        } else if let Some(ahead) = &mut self.ahead
+            && ahead.counted.remove(&node)
         {
-            *n -= 1;
-            if *n == 0 {
-                kids.remove(&parent);
+            uncount(&mut ahead.kids, parent);
+        }
+    }
+
+    /// Once the worker holds seven eighths of its capacity (`held` blocks), counts its
+    /// children per node a bounded step per call, so that the counts are ready when it
+    /// first exceeds the capacity (see "Counting ahead" above). Called after every store.
+    pub(crate) fn count_ahead(
+        &mut self,
+        held: u32,
+        holds: impl Fn(Entry) -> bool,
+        parent: impl Fn(u32) -> u32,
+    ) {
+        if self.kids.is_some() {
+            return;
+        }
+        if self.ahead.is_none() {
+            if self.to_scan > 0 || u64::from(held) * 8 < u64::from(self.limit) * 7 {
+                return;
             }
+            let mut ahead = Box::new(Counting {
+                left: self.order.len(),
+                ..Counting::default()
+            });
+            // The held candidates, few, at once.
+            for &e in self.held.iter().filter(|&&e| holds(e)) {
+                ahead.count(node_of(e), parent(node_of(e)));
+            }
+            self.ahead = Some(ahead);
+        }
+        self.count_step(&holds, &parent, None);
+    }
+
+    /// Looks at the next entries of the count ahead: `budget` of them, or by default
+    /// [`COMPACT_PER_CALL`] and sixteen per block gained since the last step. Ends the count
+    /// when none is left, making its counts the exact `kids`.
+    fn count_step(
+        &mut self,
+        holds: &impl Fn(Entry) -> bool,
+        parent: &impl Fn(u32) -> u32,
+        budget: Option<usize>,
+    ) {
+        let Some(ahead) = &mut self.ahead else {
+            return;
+        };
+        let budget = budget.unwrap_or(COMPACT_PER_CALL.max(ahead.gained.saturating_mul(16)));
+        ahead.gained = 0;
+        let end = ahead.next + ahead.left.min(budget);
+        for &e in self.order.range(ahead.next..end) {
+            if holds(e) {
+                ahead.count(node_of(e), parent(node_of(e)));
+            }
+        }
+        ahead.left -= end - ahead.next;
+        ahead.next = end;
+        if ahead.left == 0 {
+            self.kids = self.ahead.take().map(|a| a.kids);
         }
     }
 
@@ -154,8 +269,9 @@ impl Capacity {
     /// costing nothing here. Rebuilding them takes at least a quarter of the capacity in
     /// new gains, so the rebuilds cost O(1) per gain.
     pub(crate) fn relax(&mut self, held: u32) {
-        if self.kids.is_some() && u64::from(held) * 4 <= u64::from(self.limit) * 3 {
+        if u64::from(held) * 4 <= u64::from(self.limit) * 3 {
             self.kids = None;
+            self.ahead = None;
         }
     }
 
@@ -172,12 +288,21 @@ impl Capacity {
 
     /// Takes the oldest entry of the gain order.
     fn pop_front(&mut self) -> Option<Entry> {
-        pop_front(
+        let e = pop_front(
             &mut self.fresh,
             &mut self.order,
             &mut self.to_scan,
             &mut self.seen,
-        )
+        )?;
+        if let Some(ahead) = &mut self.ahead {
+            // The entry was looked at already, or never will be.
+            if ahead.next > 0 {
+                ahead.next -= 1;
+            } else {
+                ahead.left = ahead.left.saturating_sub(1);
+            }
+        }
+        Some(e)
     }
 
     /// Drops stale entries from the front of the gain order, at most [`TRIM_PER_CALL`],
@@ -205,7 +330,8 @@ impl Capacity {
     /// keeps only the first of repeated entries. Amortized O(1) per gain.
     pub(crate) fn maybe_compact(&mut self, held: u32, holds: impl Fn(Entry) -> bool) {
         if self.to_scan == 0 {
-            if self.len() <= 2 * held as usize + SLACK {
+            // A count ahead reads `order` by position; it ends within a few stores.
+            if self.len() <= 2 * held as usize + SLACK || self.ahead.is_some() {
                 return;
             }
             self.start_compaction(&holds, false);
@@ -277,6 +403,7 @@ impl Capacity {
         self.seen = None;
         self.held.clear();
         self.kids = None;
+        self.ahead = None;
     }
 
     /// The node of the next block to evict: the oldest candidate without a child of this
@@ -289,8 +416,12 @@ impl Capacity {
         parent: impl Fn(u32) -> u32,
     ) -> Option<u32> {
         if self.kids.is_none() {
-            self.finish_compaction(&holds);
-            self.count_kids(&holds, &parent);
+            if self.ahead.is_some() {
+                self.count_step(&holds, &parent, Some(usize::MAX));
+            } else {
+                self.finish_compaction(&holds);
+                self.count_kids(&holds, &parent);
+            }
         }
         let kids = self.kids.as_ref()?;
         let leaf = |e: Entry| !kids.contains_key(&node_of(e));
@@ -351,12 +482,23 @@ impl Capacity {
         self.kids.as_ref()
     }
 
+    /// The count ahead in progress: its counts and the nodes they count (for the trie's
+    /// invariant checks).
+    #[cfg(test)]
+    pub(crate) fn counts_ahead(&self) -> Option<(&FxHashMap<u32, u32>, &FxHashSet<u32>)> {
+        self.ahead.as_ref().map(|a| (&a.kids, &a.counted))
+    }
+
     /// Bytes allocated by this bookkeeping.
     pub(crate) fn allocated_bytes(&self) -> usize {
         (self.fresh.capacity() + self.order.capacity()) * std::mem::size_of::<Entry>()
             + self.held.capacity() * std::mem::size_of::<Entry>()
             + self.kids.as_ref().map_or(0, |k| {
                 k.capacity() * (std::mem::size_of::<(u32, u32)>() + 1)
+            })
+            + self.ahead.as_ref().map_or(0, |a| {
+                a.kids.capacity() * (std::mem::size_of::<(u32, u32)>() + 1)
+                    + a.counted.capacity() * (std::mem::size_of::<u32>() + 1)
             })
     }
 }
@@ -406,7 +548,7 @@ mod tests {
                     (0..self.parent.len()).any(|c| self.held[c] && self.parent[c] == v);
                 assert!(!has_held_child, "{v} evicted before its child");
                 self.held[v as usize] = false;
-                cap.lost(self.parent[v as usize]);
+                cap.lost(v, self.parent[v as usize]);
                 out.push(v);
             }
             out
@@ -477,8 +619,8 @@ mod tests {
         for k in (0..300usize).filter(|k| k % 3 != 0) {
             for node in [2 * k + 2, 2 * k + 1] {
                 held[node] = false;
-                spread.lost(parent[node]);
-                whole.lost(parent[node]);
+                spread.lost(node as u32, parent[node]);
+                whole.lost(node as u32, parent[node]);
             }
         }
         let holds = |e: Entry| held[node_of(e) as usize];
@@ -557,5 +699,126 @@ mod tests {
         assert_eq!(cap.len(), TRIM_PER_CALL + 1, "at most TRIM_PER_CALL a call");
         cap.trim_front(1, holds);
         assert_eq!(cap.len(), 1);
+    }
+
+    /// Counts per node of the held children in `tree`.
+    fn truth(tree: &Tree) -> FxHashMap<u32, u32> {
+        let mut kids = FxHashMap::default();
+        for (c, &p) in tree.parent.iter().enumerate().skip(1) {
+            if tree.held[c] {
+                *kids.entry(p).or_insert(0) += 1;
+            }
+        }
+        kids
+    }
+
+    /// A count ahead of the first eviction, run while blocks are gained, lost, gained again
+    /// (so the order names them twice) and trimmed from the front, ends with the counts a
+    /// count from scratch gives, and starts only at seven eighths of the capacity.
+    #[test]
+    fn counting_ahead_ends_with_the_counts_of_a_count_from_scratch() {
+        // Chains of 4 under the root: node 4k+1 .. 4k+4.
+        let n = 4_000usize;
+        let parent: Vec<u32> = (0..=n as u32)
+            .map(|i| if i == 0 || i % 4 == 1 { 0 } else { i - 1 })
+            .collect();
+        let mut tree = Tree {
+            parent,
+            held: vec![false; n + 1],
+        };
+        let mut cap = Capacity::new(4_000);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rand = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let mut held = 0u32;
+        let mut started_at = None;
+        let (mut lost_while_counting, mut steps) = (0u32, 0u32);
+        let mut oldest = VecDeque::new();
+        for round in 0..3_000u32 {
+            // Gain the next free chain, leaf last.
+            let k = rand(1_000) as usize;
+            oldest.push_back(k);
+            for c in 4 * k + 1..=4 * k + 4 {
+                if !tree.held[c] {
+                    tree.held[c] = true;
+                    held += 1;
+                    cap.gained(c as u32, 0, tree.parent[c]);
+                }
+            }
+            // Lose a random chain from its leaf (some were never held).
+            // Rarely until the count starts (so that it does), often while it runs, and
+            // then the oldest gained, so that the front of the order goes stale and is
+            // trimmed while the count reads it.
+            let counting = cap.counts_ahead().is_some();
+            if round % if counting { 2 } else { 16 } == 0 {
+                let k = match counting {
+                    true => oldest.pop_front().unwrap_or(0),
+                    false => rand(1_000) as usize,
+                };
+                for c in (4 * k + 1..=4 * k + 4).rev() {
+                    if tree.held[c] {
+                        tree.held[c] = false;
+                        held -= 1;
+                        cap.lost(c as u32, tree.parent[c]);
+                        lost_while_counting += u32::from(counting);
+                    }
+                }
+            }
+            let (h, p) = (&tree.held, &tree.parent);
+            let holds = |e: Entry| h[node_of(e) as usize];
+            cap.trim_front(held, holds);
+            cap.count_ahead(held, holds, |c| p[c as usize]);
+            if let Some((kids, counted)) = cap.counts_ahead() {
+                started_at.get_or_insert(held);
+                steps += 1;
+                assert!(counted.iter().all(|&c| tree.held[c as usize]));
+                let mut mine = FxHashMap::default();
+                for &c in counted {
+                    *mine.entry(tree.parent[c as usize]).or_insert(0) += 1;
+                }
+                assert_eq!(kids, &mine);
+            }
+            if let Some(kids) = cap.child_counts() {
+                assert_eq!(kids, &truth(&tree), "round {round}");
+            }
+        }
+        let started = started_at.expect("the count started");
+        assert!(started >= 3_500, "started at {started} of 4,000");
+        assert!(
+            steps >= 5 && lost_while_counting >= 8,
+            "{steps} steps, {lost_while_counting} lost meanwhile"
+        );
+        assert!(cap.child_counts().is_some(), "the count ended");
+    }
+
+    /// A worker that fills its capacity store by store has its counts before the first
+    /// eviction, which then builds nothing.
+    #[test]
+    fn the_counts_are_ready_before_the_capacity_is_reached() {
+        let n = 2_048usize;
+        let parent: Vec<u32> = (0..=n as u32)
+            .map(|i| if i == 0 || i % 8 == 1 { 0 } else { i - 1 })
+            .collect();
+        let held = vec![false; n + 1];
+        let mut tree = Tree { parent, held };
+        let mut cap = Capacity::new(n as u32);
+        for chain in 0..n / 8 {
+            for c in chain * 8 + 1..=chain * 8 + 8 {
+                tree.held[c] = true;
+                cap.gained(c as u32, 0, tree.parent[c]);
+            }
+            let (h, p) = (&tree.held, &tree.parent);
+            cap.count_ahead(
+                (chain as u32 + 1) * 8,
+                |e| h[node_of(e) as usize],
+                |c| p[c as usize],
+            );
+        }
+        assert_eq!(cap.child_counts(), Some(&truth(&tree)));
+        assert_eq!(tree.drain(&mut cap)[..3], [8, 7, 6]);
     }
 }

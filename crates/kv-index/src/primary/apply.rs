@@ -185,7 +185,7 @@ impl PrefixIndex {
                         .as_mut()
                         .and_then(|s| s.cap.as_mut())
                     {
-                        cap.lost(parent);
+                        cap.lost(node, parent);
                     }
                 }
                 self.owners_changed(node);

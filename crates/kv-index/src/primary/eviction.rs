@@ -108,6 +108,7 @@ impl PrefixIndex {
         };
         cap.trim_front(state.owned, holds);
         cap.maybe_compact(state.owned, holds);
+        cap.count_ahead(state.owned, holds, |n| nodes[n as usize].parent);
         if state.owned <= cap.limit() {
             return 0;
         }
@@ -130,7 +131,7 @@ impl PrefixIndex {
                 break;
             };
             let parent = nodes[victim as usize].parent;
-            cap.lost(parent);
+            cap.lost(victim, parent);
             let unmapped = state.unmap(nodes, victim, &mut self.own_log);
             state.owned -= 1;
             let n = &mut self.nodes[victim as usize];
@@ -203,6 +204,71 @@ mod tests {
         idx.apply_stored(w, None, &blocks(&[(5, 15)]));
         assert_eq!((score(&idx, 3), score(&idx, 4), score(&idx, 5)), (0, 1, 1));
         assert_eq!(idx.capacity_evictions().collect::<Vec<_>>(), [(w, 2)]);
+    }
+
+    /// A worker filling its capacity store by store, with removals and hashes stored
+    /// again on the way, has its child counts built ahead a step per store (exact at every
+    /// step, `check_invariants`) and complete before the store that first exceeds the
+    /// capacity, which then evicts its oldest chain leaf-first.
+    #[test]
+    fn the_child_counts_are_built_ahead_of_the_first_eviction() {
+        let mut idx = PrefixIndex::new();
+        let w = WorkerKey::new(1, 0);
+        let limit = 8_000u32;
+        assert_eq!(idx.set_capacity(w, Some(limit)), 0);
+        let chain = |k: u64| {
+            blocks(
+                &(0..8)
+                    .map(|i| (k * 8 + i + 1, k * 8 + i + 1))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let cap = |idx: &PrefixIndex| {
+            let slot = idx.slot_of[&w];
+            let state = idx.workers[slot as usize].as_ref().expect("state");
+            let c = state.cap.as_ref().expect("capacity");
+            (c.counts_ahead().is_some(), c.child_counts().is_some())
+        };
+        let (mut ahead_stores, mut k) = (0, 0u64);
+        while idx.worker_blocks(w) < limit {
+            assert_eq!(idx.apply_stored(w, None, &chain(k)), StoreOutcome::Applied);
+            // Every seventh store, the chain two before loses its tail, stored again next.
+            if k % 7 == 6 {
+                let tail: Vec<_> = (5..8)
+                    .rev()
+                    .map(|i| ExternalHash((k - 2) * 8 + i + 1))
+                    .collect();
+                idx.apply_removed(w, &tail);
+                idx.apply_stored(w, None, &chain(k - 2));
+            }
+            let (ahead, done) = cap(&idx);
+            ahead_stores += u32::from(ahead);
+            assert!(!done || idx.worker_blocks(w) * 8 >= limit * 7);
+            if ahead && k % 16 == 0 {
+                idx.check_invariants();
+            }
+            k += 1;
+        }
+        idx.check_invariants();
+        assert!(
+            ahead_stores >= 4,
+            "counted ahead over {ahead_stores} stores"
+        );
+        assert_eq!(
+            cap(&idx),
+            (false, true),
+            "the counts are ready at the capacity"
+        );
+        // Past it: chain 0 goes, leaf first.
+        idx.apply_stored(w, None, &chain(k));
+        idx.check_invariants();
+        assert_eq!(idx.capacity_evicted(w), 8);
+        assert_prefix_closed(&idx, w);
+        let mut out = OverlapScores::new();
+        idx.find_matches(&q(&[1]), &mut out);
+        assert_eq!(out.score(w), 0, "the oldest chain is gone");
+        idx.find_matches(&q(&[9, 10]), &mut out);
+        assert_eq!(out.score(w), 2);
     }
 
     #[test]
