@@ -31,8 +31,7 @@
 //! ends before the last eighth is filled even when the order holds twice the capacity.
 //! Meanwhile every gain is counted at once and every loss of a counted block uncounts it,
 //! and a set of the counted nodes keeps a block that appears twice in the order (lost and
-//! gained again) from counting twice. Both grow in shards (`crate::sharded`): as
-//! `hashbrown` maps, their doublings took up to 6.5 ms in one store at a million blocks. Only a capacity lowered below the held blocks, or a
+//! gained again) from counting twice. Only a capacity lowered below the held blocks, or a
 //! single store of more than an eighth of the capacity, reaches an eviction before the
 //! count ends; that eviction finishes it at once.
 //!
@@ -54,9 +53,7 @@
 
 use std::collections::VecDeque;
 
-use rustc_hash::FxHashSet;
-
-use crate::sharded::ShardedMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 /// One gained block: its node id in the low half, its tag (the low half of the node's
 /// engine hash) in the high half.
@@ -104,9 +101,7 @@ pub(crate) struct Capacity {
     held: Vec<Entry>,
     /// Per node, the number of its children this worker holds (absent = 0). `Some` only
     /// while the worker evicts; exact whenever `Some`.
-    /// Grows in shards, as the count below: a worker's counts reach its capacity's size,
-    /// and a whole table doubling at a million entries took milliseconds inside a store.
-    kids: Option<ShardedMap<u32, u32>>,
+    kids: Option<FxHashMap<u32, u32>>,
     /// The count of `kids` in progress, while the worker nears its capacity.
     ahead: Option<Box<Counting>>,
 }
@@ -117,10 +112,10 @@ pub(crate) struct Capacity {
 #[derive(Debug, Clone, Default)]
 struct Counting {
     /// Per node, its children among `counted`.
-    kids: ShardedMap<u32, u32>,
+    kids: FxHashMap<u32, u32>,
     /// The nodes counted so far: those of the entries looked at that were held then, and
     /// every node gained since the count started, less the ones lost since.
-    counted: ShardedMap<u32, ()>,
+    counted: FxHashSet<u32>,
     /// Index in `order` of the next entry to look at.
     next: usize,
     /// Entries from `next` on still to look at: the ones `order` held when the count
@@ -134,26 +129,15 @@ impl Counting {
     /// Counts `node`, a child of `parent`, unless it is counted already.
     #[inline]
     fn count(&mut self, node: u32, parent: u32) {
-        if self.counted.insert(node, ()).is_none() {
-            add_child(&mut self.kids, parent);
-        }
-    }
-}
-
-/// Adds one child of `parent` to `kids`.
-#[inline]
-fn add_child(kids: &mut ShardedMap<u32, u32>, parent: u32) {
-    match kids.get_mut(&parent) {
-        Some(n) => *n += 1,
-        None => {
-            kids.insert(parent, 1);
+        if self.counted.insert(node) {
+            *self.kids.entry(parent).or_insert(0) += 1;
         }
     }
 }
 
 /// Takes one child of `parent` off `kids`.
 #[inline]
-fn uncount(kids: &mut ShardedMap<u32, u32>, parent: u32) {
+fn uncount(kids: &mut FxHashMap<u32, u32>, parent: u32) {
     if let Some(n) = kids.get_mut(&parent) {
         *n -= 1;
         if *n == 0 {
@@ -198,7 +182,7 @@ impl Capacity {
     pub(crate) fn gained(&mut self, node: u32, tag: u32, parent: u32) {
         self.order.push_back(entry(node, tag));
         if let Some(kids) = &mut self.kids {
-            add_child(kids, parent);
+            *kids.entry(parent).or_insert(0) += 1;
         } else if let Some(ahead) = &mut self.ahead {
             ahead.gained += 1;
             ahead.count(node, parent);
@@ -218,7 +202,7 @@ impl Capacity {
         if let Some(kids) = &mut self.kids {
             uncount(kids, parent);
         } else if let Some(ahead) = &mut self.ahead
-            && ahead.counted.remove(&node).is_some()
+            && ahead.counted.remove(&node)
         {
             uncount(&mut ahead.kids, parent);
         }
@@ -479,9 +463,9 @@ impl Capacity {
         let mut seen = FxHashSet::default();
         self.held.retain(|&e| holds(e) && seen.insert(e));
         self.order.retain(|&e| holds(e) && seen.insert(e));
-        let mut kids = ShardedMap::default();
+        let mut kids = FxHashMap::default();
         for &e in self.held.iter().chain(&self.order) {
-            add_child(&mut kids, parent(node_of(e)));
+            *kids.entry(parent(node_of(e))).or_insert(0) += 1;
         }
         self.kids = Some(kids);
     }
@@ -494,29 +478,27 @@ impl Capacity {
 
     /// The child counts, while evicting (for the trie's invariant checks).
     #[cfg(test)]
-    pub(crate) fn child_counts(&self) -> Option<rustc_hash::FxHashMap<u32, u32>> {
-        let kids = self.kids.as_ref()?;
-        Some(kids.iter().map(|(&k, &v)| (k, v)).collect())
+    pub(crate) fn child_counts(&self) -> Option<&FxHashMap<u32, u32>> {
+        self.kids.as_ref()
     }
 
     /// The count ahead in progress: its counts and the nodes they count (for the trie's
     /// invariant checks).
     #[cfg(test)]
-    pub(crate) fn counts_ahead(&self) -> Option<(rustc_hash::FxHashMap<u32, u32>, FxHashSet<u32>)> {
-        let a = self.ahead.as_ref()?;
-        Some((
-            a.kids.iter().map(|(&k, &v)| (k, v)).collect(),
-            a.counted.iter().map(|(&k, ())| k).collect(),
-        ))
+    pub(crate) fn counts_ahead(&self) -> Option<(&FxHashMap<u32, u32>, &FxHashSet<u32>)> {
+        self.ahead.as_ref().map(|a| (&a.kids, &a.counted))
     }
 
     /// Bytes allocated by this bookkeeping.
     pub(crate) fn allocated_bytes(&self) -> usize {
         (self.fresh.capacity() + self.order.capacity()) * std::mem::size_of::<Entry>()
             + self.held.capacity() * std::mem::size_of::<Entry>()
-            + self.kids.as_ref().map_or(0, ShardedMap::allocation_size)
+            + self.kids.as_ref().map_or(0, |k| {
+                k.capacity() * (std::mem::size_of::<(u32, u32)>() + 1)
+            })
             + self.ahead.as_ref().map_or(0, |a| {
-                a.kids.allocation_size() + a.counted.allocation_size()
+                a.kids.capacity() * (std::mem::size_of::<(u32, u32)>() + 1)
+                    + a.counted.capacity() * (std::mem::size_of::<u32>() + 1)
             })
     }
 }
@@ -544,7 +526,6 @@ fn pop_front(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rustc_hash::FxHashMap;
 
     /// A tree given as `parent[node]`; `held` marks the worker's blocks.
     struct Tree {
@@ -796,13 +777,13 @@ mod tests {
                 steps += 1;
                 assert!(counted.iter().all(|&c| tree.held[c as usize]));
                 let mut mine = FxHashMap::default();
-                for c in counted {
+                for &c in counted {
                     *mine.entry(tree.parent[c as usize]).or_insert(0) += 1;
                 }
-                assert_eq!(kids, mine);
+                assert_eq!(kids, &mine);
             }
             if let Some(kids) = cap.child_counts() {
-                assert_eq!(kids, truth(&tree), "round {round}");
+                assert_eq!(kids, &truth(&tree), "round {round}");
             }
         }
         let started = started_at.expect("the count started");
@@ -837,7 +818,7 @@ mod tests {
                 |c| p[c as usize],
             );
         }
-        assert_eq!(cap.child_counts(), Some(truth(&tree)));
+        assert_eq!(cap.child_counts(), Some(&truth(&tree)));
         assert_eq!(tree.drain(&mut cap)[..3], [8, 7, 6]);
     }
 }

@@ -120,15 +120,6 @@ impl<T> ShardedTable<T> {
         self.shards[self.shard_of(hash)].table.find(hash, eq)
     }
 
-    #[inline]
-    pub(crate) fn find_mut(&mut self, hash: u64, eq: impl FnMut(&T) -> bool) -> Option<&mut T> {
-        if self.dir.is_empty() {
-            return self.small.find_mut(hash, eq);
-        }
-        let s = self.shard_of(hash);
-        self.shards[s].table.find_mut(hash, eq)
-    }
-
     /// Removes and returns the value equal to `eq` under `hash`.
     #[inline]
     pub(crate) fn remove(&mut self, hash: u64, eq: impl FnMut(&T) -> bool) -> Option<T> {
@@ -384,14 +375,7 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
             .map(|(_, v)| v)
     }
 
-    #[inline]
-    pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut V> {
-        self.table
-            .find_mut(fx_hash(key), |(k, _)| k == key)
-            .map(|(_, v)| v)
-    }
-
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn contains_key(&self, key: &K) -> bool {
         self.get(key).is_some()
     }

@@ -51,17 +51,17 @@ impl PrefixIndex {
                         *actual.entry(n.parent).or_insert(0) += 1;
                     }
                 }
-                assert_eq!(kids, actual, "child counts of {:?}", state.key);
+                assert_eq!(kids, &actual, "child counts of {:?}", state.key);
             }
             if let Some((kids, counted)) = state.cap.as_ref().and_then(Capacity::counts_ahead) {
                 // A count ahead counts held nodes only, each under its parent.
                 let mut mine: FxHashMap<u32, u32> = FxHashMap::default();
-                for c in counted {
+                for &c in counted {
                     let n = &self.nodes[c as usize];
                     assert!(n.parent != NONE && n.owners.contains(slot), "{c} counted");
                     *mine.entry(n.parent).or_insert(0) += 1;
                 }
-                assert_eq!(kids, mine, "counts ahead of {:?}", state.key);
+                assert_eq!(kids, &mine, "counts ahead of {:?}", state.key);
             }
         }
     }
