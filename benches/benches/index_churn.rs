@@ -4,7 +4,8 @@
 //! of 8 blocks (leaf first) and stores a new one, so stale entries pile up in the worker's
 //! gain order until it is compacted (`kv-index/src/capacity.rs`). Prints, per index size,
 //! the time of all steps, the longest remove-plus-store and how many took over 1 ms: the
-//! pause a lookup would wait behind in one write section.
+//! pause a lookup would wait behind in one write section. Then the store that first takes
+//! a worker past its capacity, and the rate of 16 workers storing past theirs.
 //! Not a criterion measurement: the figure of interest is a maximum.
 
 use std::time::{Duration, Instant};
@@ -118,6 +119,43 @@ fn first_excess(chains: u64) {
     std::hint::black_box(&index);
 }
 
+/// `workers` workers each storing `chains` chains of 8 in turn, with a capacity of
+/// `limit` blocks each: the rate of a fleet whose removals are lost, against the same
+/// stores without a capacity reached. Prints the time to fill the capacities and in all.
+fn fleet(workers: u64, chains: u64, limit: u32) {
+    for declared in [limit, u32::MAX / 2] {
+        let mut index = KvIndex::with_block_size(16);
+        for w in 0..workers {
+            index.set_capacity(WorkerKey::new(w, 0), Some(declared));
+        }
+        let started = Instant::now();
+        let mut filled = None;
+        for c in 0..chains {
+            if c * 8 >= u64::from(declared) {
+                filled.get_or_insert_with(|| started.elapsed());
+            }
+            for w in 0..workers {
+                let blocks = chain(c)
+                    .map(|h| h | (w << 40))
+                    .map(|h| StoredBlock::new(ExternalHash(h), BlockHash(h)))
+                    .collect();
+                let stored = KvOperationKind::Stored {
+                    parent_hash: None,
+                    blocks,
+                };
+                index.apply(&op(WorkerKey::new(w, 0), stored));
+            }
+        }
+        eprintln!(
+            "index_churn: {workers} workers storing {} blocks each, capacity {declared}: {:.1?} ({})",
+            chains * 8,
+            started.elapsed(),
+            filled.map_or("never filled".to_owned(), |t| format!("filled in {t:.1?}"))
+        );
+        std::hint::black_box(&index);
+    }
+}
+
 fn main() {
     for chains in [25_000, 100_000] {
         run(chains);
@@ -125,4 +163,5 @@ fn main() {
     for chains in [25_000, 125_000] {
         first_excess(chains);
     }
+    fleet(16, 25_000, 100_000);
 }
