@@ -58,7 +58,13 @@ Environment (router configuration, read once at startup; defaults in parentheses
   DYN_ROUTER_MIN_INITIAL_WORKERS (0)
 Booleans accept 1/true/on/yes and 0/false/off/no; an empty variable counts as unset.";
 
+/// `--kv-ingest-nice` when `--kv-index-writer-thread` is given without it: on 2 cores it
+/// took the client's `/select` p99 to 0.65-0.75x at 16 publishers and 0.32x at 2,048, for
+/// the same or a higher ingest rate (docs/hot-path.md, "ingest threads at a lower priority").
+const WRITER_THREAD_INGEST_NICE: u8 = 10;
+
 /// How log lines are written (`--log-format`).
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     /// `tracing`'s text lines: timestamp, level, target, message, `key=value` fields.
@@ -218,8 +224,10 @@ struct Cli {
     /// listener threads and ZMQ's I/O threads), so that on shared cores the HTTP threads
     /// and a --kv-index-writer-thread get the larger share. Raising a nice value needs no
     /// privilege; a thread that cannot lower itself runs as before, with a warning.
-    #[arg(long, default_value = "0", value_parser = clap::value_parser!(u8).range(0..=19), value_name = "N")]
-    kv_ingest_nice: u8,
+    /// Default: 10 with --kv-index-writer-thread, else 0 (the listeners then write the index
+    /// themselves, and lowering them lowers the ingest rate).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=19), value_name = "N")]
+    kv_ingest_nice: Option<u8>,
 
     /// Copies of each partition's prefix index. 1: lookups wait for the event write in
     /// progress (microseconds, longer when the writer loses its core inside it). 2: the
@@ -233,8 +241,9 @@ struct Cli {
     /// and the index write run on two cores at once. A batch reaches lookups once that
     /// thread has applied it (microseconds later, a few milliseconds at most). On 2 cores,
     /// with --kv-listener-threads 1 and --kv-writer-step-aside-us 500 it ingests at about
-    /// the one-copy default's rate with no lookup waiting for a write, and --kv-ingest-nice
-    /// 10 shortens the /select tail further (docs/operations.md).
+    /// the one-copy default's rate with no lookup waiting for a write. Lowers the ingest
+    /// threads' priority by default (--kv-ingest-nice 10), so that the writer and the HTTP
+    /// threads get the larger share of a contended core (docs/operations.md).
     #[arg(long)]
     kv_index_writer_thread: bool,
 
@@ -643,7 +652,11 @@ impl ServerConfig {
                 .and_then(std::num::NonZeroUsize::new),
             kv_writer_step_aside: (cli.kv_writer_step_aside_us > 0)
                 .then(|| Duration::from_micros(cli.kv_writer_step_aside_us)),
-            kv_ingest_nice: cli.kv_ingest_nice,
+            kv_ingest_nice: cli.kv_ingest_nice.unwrap_or(if cli.kv_index_writer_thread {
+                WRITER_THREAD_INGEST_NICE
+            } else {
+                0
+            }),
             kv_index_copies: match cli.kv_index_copies {
                 2 => service_builder::IndexCopies::Two,
                 _ => service_builder::IndexCopies::One,
@@ -1040,6 +1053,11 @@ mod tests {
     #[test]
     fn kv_ingest_nice_defaults_to_zero_and_stops_at_nineteen() {
         assert_eq!(parse(&[], &[]).unwrap().kv_ingest_nice, 0);
+        // With a writer thread, the ingest threads run lowered unless told otherwise.
+        let writer = ["--kv-index-copies", "2", "--kv-index-writer-thread"];
+        assert_eq!(parse(&writer, &[]).unwrap().kv_ingest_nice, 10);
+        let explicit = [&writer[..], &["--kv-ingest-nice", "0"]].concat();
+        assert_eq!(parse(&explicit, &[]).unwrap().kv_ingest_nice, 0);
         assert_eq!(
             parse(&["--kv-ingest-nice", "10"], &[])
                 .unwrap()

@@ -595,6 +595,70 @@ fn startup_raises_the_open_file_limit() {
     }
 }
 
+/// Nice values of the server's threads whose names start with `prefix`.
+#[cfg(target_os = "linux")]
+fn thread_nice_values(server: &Server, prefix: &str) -> Vec<i64> {
+    let tasks = format!("/proc/{}/task", server.child.id());
+    std::fs::read_dir(tasks)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim_end().starts_with(prefix))
+        })
+        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+        // Past the parenthesised name, the state is field 3 and the nice value field 19.
+        .filter_map(|stat| {
+            let rest = &stat[stat.rfind(')')? + 1..];
+            rest.split_whitespace().nth(16)?.parse().ok()
+        })
+        .collect()
+}
+
+/// With a writer thread, the threads that receive and decode events run at nice 10 unless
+/// told otherwise, and the writer and HTTP threads at the server's own priority; without
+/// one, all run at the server's priority.
+#[cfg(target_os = "linux")]
+#[test]
+fn ingest_threads_run_lowered_beside_a_writer_thread() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    let zport = bind_loopback(&publisher);
+    let writer = ["--kv-index-copies", "2", "--kv-index-writer-thread"];
+    for (args, ingest) in [
+        (&writer[..], 10),
+        (&[&writer[..], &["--kv-ingest-nice", "3"]].concat()[..], 3),
+        (&[][..], 0),
+    ] {
+        let server = Server::start(args);
+        register_pair(&server, zport);
+        let own = thread_nice_values(&server, "select-server");
+        assert_eq!(own, [0], "{args:?}");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let listeners = loop {
+            let n = thread_nice_values(&server, "kv-events-");
+            if n.iter().all(|&v| v == ingest) || std::time::Instant::now() > deadline {
+                break n;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        assert!(!listeners.is_empty(), "{args:?}");
+        assert!(
+            listeners.iter().all(|&v| v == ingest),
+            "{args:?}: {listeners:?}"
+        );
+        let io = thread_nice_values(&server, "kv-zmq-io");
+        assert!(
+            !io.is_empty() && io.iter().all(|&v| v == ingest),
+            "{args:?}: {io:?}"
+        );
+        let writers = thread_nice_values(&server, "kv-index-writer");
+        assert_eq!(writers.len(), usize::from(!args.is_empty()), "{args:?}");
+        assert!(writers.iter().all(|&v| v == 0), "{args:?}: {writers:?}");
+    }
+}
+
 /// Starts the binary with `args` and its stderr in a file, registers a worker, stops it and
 /// returns what it logged (at `info`).
 fn logged(args: &[&str]) -> String {
