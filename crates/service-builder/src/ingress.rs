@@ -715,24 +715,10 @@ mod tests {
         drop(ctx);
     }
 
-    /// The nice values of this process's threads named `name` or starting with it.
+    /// The nice values of this process's threads whose names start with `name`.
     #[cfg(target_os = "linux")]
     fn nice_values(name: &str) -> Vec<i64> {
-        std::fs::read_dir("/proc/self/task")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|t| {
-                std::fs::read_to_string(t.path().join("comm"))
-                    .is_ok_and(|c| c.trim_end().starts_with(name))
-            })
-            .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
-            // After the parenthesised name: state is field 3, nice field 19.
-            .filter_map(|stat| {
-                let rest = &stat[stat.rfind(')')? + 1..];
-                rest.split_whitespace().nth(16)?.parse().ok()
-            })
-            .collect()
+        testkit::thread_nice_values(std::process::id(), name)
     }
 
     #[cfg(target_os = "linux")]

@@ -47,6 +47,26 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|e| panic!("no free loopback port: {e}"))
 }
 
+/// The nice values of process `pid`'s threads whose names start with `prefix` (Linux's
+/// `/proc`; empty elsewhere or for a process that is gone).
+pub fn thread_nice_values(pid: u32, prefix: &str) -> Vec<i64> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim_end().starts_with(prefix))
+        })
+        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+        // Past the parenthesised name, the state is field 3 and the nice value field 19.
+        .filter_map(|stat| {
+            let rest = &stat[stat.rfind(')')? + 1..];
+            rest.split_whitespace().nth(16)?.parse().ok()
+        })
+        .collect()
+}
+
 /// Polls `cond` until it holds or `limit` has passed; whether it held.
 pub fn poll_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;

@@ -598,22 +598,7 @@ fn startup_raises_the_open_file_limit() {
 /// Nice values of the server's threads whose names start with `prefix`.
 #[cfg(target_os = "linux")]
 fn thread_nice_values(server: &Server, prefix: &str) -> Vec<i64> {
-    let tasks = format!("/proc/{}/task", server.child.id());
-    std::fs::read_dir(tasks)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|t| {
-            std::fs::read_to_string(t.path().join("comm"))
-                .is_ok_and(|c| c.trim_end().starts_with(prefix))
-        })
-        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
-        // Past the parenthesised name, the state is field 3 and the nice value field 19.
-        .filter_map(|stat| {
-            let rest = &stat[stat.rfind(')')? + 1..];
-            rest.split_whitespace().nth(16)?.parse().ok()
-        })
-        .collect()
+    testkit::thread_nice_values(server.child.id(), prefix)
 }
 
 /// With a writer thread, the threads that receive and decode events run at nice 10 unless
