@@ -207,7 +207,8 @@ struct Cli {
     http_threads: Option<u64>,
 
     /// Threads that receive, decode and index KV events, each serving up to 1,024 (worker,
-    /// rank) listeners (default: one per available core). Where engines' events and
+    /// rank) listeners (default: one per available core, one fewer with
+    /// --kv-index-writer-thread). Where engines' events and
     /// `/select` share few cores, one fewer than the cores leaves the HTTP threads a core
     /// during event bursts: a shorter `/select` tail for a lower peak ingest rate.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024), value_name = "N")]
@@ -240,10 +241,11 @@ struct Cli {
     /// batches, which they hand over instead of writing the index themselves, so decoding
     /// and the index write run on two cores at once. A batch reaches lookups once that
     /// thread has applied it (microseconds later, a few milliseconds at most). On 2 cores,
-    /// with --kv-listener-threads 1 and --kv-writer-step-aside-us 500 it ingests at about
-    /// the one-copy default's rate with no lookup waiting for a write. Lowers the ingest
-    /// threads' priority by default (--kv-ingest-nice 10), so that the writer and the HTTP
-    /// threads get the larger share of a contended core (docs/operations.md).
+    /// with --kv-writer-step-aside-us 500 it ingests at about the one-copy default's rate
+    /// with no lookup waiting for a write. Changes two defaults: one listener thread fewer
+    /// than the cores (--kv-listener-threads), and the ingest threads' priority lowered
+    /// (--kv-ingest-nice 10), so that the writer and the HTTP threads get the larger share
+    /// of a contended core (docs/operations.md).
     #[arg(long)]
     kv_index_writer_thread: bool,
 
