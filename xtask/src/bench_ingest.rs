@@ -147,6 +147,15 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         }
     };
     let (test, baseline) = builds(&args, binary);
+    // A copied binary is easily an old one: say which builds run, and how old they are.
+    for build in std::iter::once(&test).chain(baseline.as_ref()) {
+        eprintln!(
+            "xtask bench ingest: {}: {}, {}",
+            build.label,
+            build.binary.display(),
+            binary_age(&build.binary)
+        );
+    }
     let mut runs: Vec<(&'static str, Run)> = Vec::with_capacity(args.rounds * 2);
     for round in 0..args.rounds {
         let last_round = round + 1 == args.rounds;
@@ -178,6 +187,17 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     }
     print_table(&workload, &runs, baseline.is_some());
     Ok(())
+}
+
+/// How long ago `binary` was written, for the run's header.
+fn binary_age(binary: &Path) -> String {
+    match std::fs::metadata(binary).and_then(|m| m.modified()) {
+        Ok(written) => match written.elapsed() {
+            Ok(age) => format!("built {} min ago", age.as_secs() / 60),
+            Err(_) => "built in the future (clock skew)".to_owned(),
+        },
+        Err(e) => format!("unreadable: {e}"),
+    }
 }
 
 /// A server binary and its flags: the build under test, or the baseline it is compared with.
