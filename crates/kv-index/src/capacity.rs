@@ -130,9 +130,15 @@ impl Counting {
     #[inline]
     fn count(&mut self, node: u32, parent: u32) {
         if self.counted.insert(node) {
-            *self.kids.entry(parent).or_insert(0) += 1;
+            add_child(&mut self.kids, parent);
         }
     }
+}
+
+/// Adds one child of `parent` to `kids`.
+#[inline]
+fn add_child(kids: &mut FxHashMap<u32, u32>, parent: u32) {
+    *kids.entry(parent).or_insert(0) += 1;
 }
 
 /// Takes one child of `parent` off `kids`.
@@ -182,7 +188,7 @@ impl Capacity {
     pub(crate) fn gained(&mut self, node: u32, tag: u32, parent: u32) {
         self.order.push_back(entry(node, tag));
         if let Some(kids) = &mut self.kids {
-            *kids.entry(parent).or_insert(0) += 1;
+            add_child(kids, parent);
         } else if let Some(ahead) = &mut self.ahead {
             ahead.gained += 1;
             ahead.count(node, parent);
@@ -224,17 +230,33 @@ impl Capacity {
             if self.to_scan > 0 || u64::from(held) * 8 < u64::from(self.limit) * 7 {
                 return;
             }
-            let mut ahead = Box::new(Counting {
-                left: self.order.len(),
-                ..Counting::default()
-            });
-            // The held candidates, few, at once.
-            for &e in self.held.iter().filter(|&&e| holds(e)) {
-                ahead.count(node_of(e), parent(node_of(e)));
-            }
-            self.ahead = Some(ahead);
+            self.start_count(&holds, &parent);
         }
         self.count_step(&holds, &parent, None);
+    }
+
+    /// Starts a count of the children per node (no compaction running): the held
+    /// candidates, few, at once, and the gain order a step at a time from its front.
+    fn start_count(&mut self, holds: &impl Fn(Entry) -> bool, parent: &impl Fn(u32) -> u32) {
+        let mut ahead = Box::new(Counting {
+            left: self.order.len(),
+            ..Counting::default()
+        });
+        for &e in self.held.iter().filter(|&&e| holds(e)) {
+            ahead.count(node_of(e), parent(node_of(e)));
+        }
+        self.ahead = Some(ahead);
+    }
+
+    /// Makes the child counts exact now: ends the count ahead, or counts the whole gain
+    /// order when none runs (an eviction that came before seven eighths of the capacity
+    /// were ever held, or right after a lowered capacity).
+    fn count_now(&mut self, holds: &impl Fn(Entry) -> bool, parent: &impl Fn(u32) -> u32) {
+        if self.ahead.is_none() {
+            self.finish_compaction(holds);
+            self.start_count(holds, parent);
+        }
+        self.count_step(holds, parent, Some(usize::MAX));
     }
 
     /// Looks at the next entries of the count ahead: `budget` of them, or by default
@@ -416,12 +438,7 @@ impl Capacity {
         parent: impl Fn(u32) -> u32,
     ) -> Option<u32> {
         if self.kids.is_none() {
-            if self.ahead.is_some() {
-                self.count_step(&holds, &parent, Some(usize::MAX));
-            } else {
-                self.finish_compaction(&holds);
-                self.count_kids(&holds, &parent);
-            }
+            self.count_now(&holds, &parent);
         }
         let kids = self.kids.as_ref()?;
         let leaf = |e: Entry| !kids.contains_key(&node_of(e));
@@ -455,19 +472,6 @@ impl Capacity {
         self.held.retain(|&e| holds(e));
         let i = self.held.iter().rposition(|&e| leaf(e))?;
         Some(node_of(self.held.remove(i)))
-    }
-
-    /// Builds the child counts from the gain order (no compaction running), dropping stale
-    /// and repeated entries.
-    fn count_kids(&mut self, holds: &impl Fn(Entry) -> bool, parent: &impl Fn(u32) -> u32) {
-        let mut seen = FxHashSet::default();
-        self.held.retain(|&e| holds(e) && seen.insert(e));
-        self.order.retain(|&e| holds(e) && seen.insert(e));
-        let mut kids = FxHashMap::default();
-        for &e in self.held.iter().chain(&self.order) {
-            *kids.entry(parent(node_of(e))).or_insert(0) += 1;
-        }
-        self.kids = Some(kids);
     }
 
     /// Whether a compaction is running (for tests of the trie).
@@ -612,7 +616,7 @@ mod tests {
                 cap.gained(i, 0, parent[i as usize]);
             }
             // Counting from the start, so the evictions below pop a running compaction.
-            cap.count_kids(&|e| held[node_of(e) as usize], &|x| parent[x as usize]);
+            cap.count_now(&|e| held[node_of(e) as usize], &|x| parent[x as usize]);
             cap
         };
         let (mut spread, mut whole) = (build(&held, &parent), build(&held, &parent));
