@@ -16,7 +16,8 @@
 //! - [`KvEventListener`] (IO): one SUB socket per (worker, DP rank) endpoint, a sequence
 //!   [`Watermark`], gap detection and replay from the engine's ROUTER over DEALER, delivering
 //!   each batch's operations to a [`KvEventSink`]. Listeners run on a [`ListenerGroup`]: one
-//!   OS thread polling the sockets of many listeners.
+//!   OS thread polling the sockets of many listeners, at a lower priority on request
+//!   ([`ListenerGroup::lowered`], [`lower_thread_priority`]).
 //!
 //! # Non-goals
 //! The crate knows nothing of the index: whether a parent exists or a removed hash is known

@@ -33,7 +33,7 @@
 //! and a set of the counted nodes keeps a block that appears twice in the order (lost and
 //! gained again) from counting twice. Only a capacity lowered below the held blocks, or a
 //! single store of more than an eighth of the capacity, reaches an eviction before the
-//! count ends; that eviction finishes it at once.
+//! count ends (or starts); that eviction counts the rest at once ([`Capacity::count_now`]).
 //!
 //! # Stale ids
 //! A block the worker loses stays in the gain order until it reaches the front or the order
