@@ -60,6 +60,9 @@ impl PrefixIndex {
             }
         };
         let slot = self.slot_for(worker);
+        if let Some(state) = self.workers[slot as usize].as_ref() {
+            state.warm(&self.nodes, blocks);
+        }
         let mut changed = false;
         let mut gained = 0u32;
         let mut cur = start;

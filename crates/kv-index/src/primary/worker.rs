@@ -1,7 +1,7 @@
 //! One worker key's state in the trie: the maps from its engine's block hashes to nodes
 //! (the spec's per-worker block identity), its version, and its capacity bookkeeping.
 
-use kv_types::{ExternalHash, WorkerKey};
+use kv_types::{ExternalHash, StoredBlock, WorkerKey};
 
 use super::logged::OwnLog;
 use super::node::Node;
@@ -114,6 +114,23 @@ impl WorkerState {
         self.blocks
             .find(table_hash(bits), |e| is_entry_of(nodes, e, bits, ext))
             .map(|e| e.node)
+    }
+
+    /// Looks up every block of a store in [`Self::blocks`] before the store changes
+    /// anything, so that the cache misses of the lookups overlap. The store's inserts then
+    /// find their table groups in cache; each of them otherwise waits for its own miss (a
+    /// store's loop body is too long for the CPU to run the next block's probe early).
+    #[inline]
+    pub(super) fn warm(&self, nodes: &[Node], blocks: &[StoredBlock]) {
+        for block in blocks {
+            let ext = block.block_hash;
+            let bits = hash_bits(ext.0);
+            std::hint::black_box(
+                self.blocks
+                    .find(table_hash(bits), |e| is_entry_of(nodes, e, bits, ext))
+                    .is_some(),
+            );
+        }
     }
 
     /// Maps `ext` to `node`; returns the previous node.
