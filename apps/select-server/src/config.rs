@@ -253,7 +253,7 @@ struct Cli {
     /// connection (ZMQ_RCVHWM). With the largest accepted message, this bounds the memory
     /// a stalled server gives to event backlogs; past it the engine drops, and the gap is
     /// replayed or counted lost.
-    #[arg(long, default_value = "1000", value_parser = clap::value_parser!(i32).range(1..=1_000_000), value_name = "MESSAGES")]
+    #[arg(long, default_value_t = service_builder::DEFAULT_RECEIVE_HWM, value_parser = clap::value_parser!(i32).range(1..=1_000_000), value_name = "MESSAGES")]
     kv_receive_hwm: i32,
 
     /// Seconds a KV listener waits for an engine's gap replay before abandoning it (the
@@ -418,7 +418,7 @@ impl Default for ServerConfig {
             kv_ingest_nice: 0,
             kv_index_copies: service_builder::IndexCopies::One,
             kv_index_writer: service_builder::IndexWriter::Listeners,
-            kv_receive_hwm: 1000,
+            kv_receive_hwm: service_builder::DEFAULT_RECEIVE_HWM,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
             policy_classes: None,
@@ -1127,8 +1127,8 @@ mod tests {
     }
 
     #[test]
-    fn kv_receive_hwm_defaults_to_libzmqs_1000_and_refuses_zero() {
-        assert_eq!(parse(&[], &[]).unwrap().kv_receive_hwm, 1000);
+    fn kv_receive_hwm_defaults_to_100_and_refuses_zero() {
+        assert_eq!(parse(&[], &[]).unwrap().kv_receive_hwm, 100);
         assert_eq!(
             parse(&["--kv-receive-hwm", "50"], &[])
                 .unwrap()

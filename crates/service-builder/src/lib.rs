@@ -174,7 +174,7 @@ pub use core::{Attempt, CoreConfig, DEFAULT_KV_WRITER_STEP_ASIDE, PolicyFactory,
 pub use discovery::CatalogReconciler;
 pub use error::{BuildError, ErrorKind, RejectionDetails, SelectionError};
 /// Listener statistics and their label sets, for exporters.
-pub use kv_events::{DropReason, FilterReason, ListenerStats};
+pub use kv_events::{DEFAULT_RECEIVE_HWM, DropReason, FilterReason, ListenerStats};
 /// How many copies of each partition's index [`CoreConfig::kv_index_copies`] keeps.
 pub use kv_index::{IndexCopies, IndexWriter};
 pub use metrics::{

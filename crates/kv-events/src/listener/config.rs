@@ -55,9 +55,17 @@ pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// connection reset), which bounds what a hostile publisher can make us buffer.
 pub const DEFAULT_MAX_MESSAGE_SIZE: i64 = 64 * 1024 * 1024;
 
-/// Default receive high-water mark of a listener's SUB socket, in messages: libzmq's own
-/// default, which the reference keeps (it sets no `ZMQ_RCVHWM`).
-pub const DEFAULT_RECEIVE_HWM: i32 = 1000;
+/// Default receive high-water mark of a listener's SUB socket, in messages: a tenth of
+/// libzmq's 1,000, which the reference keeps (it sets no `ZMQ_RCVHWM`).
+///
+/// A listener that falls behind holds up to this many batches of its engine in the
+/// server's memory; past it the backlog waits in the connection's TCP buffers and the
+/// engine's own send queue (vLLM's and SGLang's publishers queue 100,000 messages). With
+/// 1,000, a server that a burst of events outran held the whole burst: every batch a fresh
+/// allocation of libzmq's I/O thread, a page fault per 4 KiB to receive it, and after the
+/// burst a heap that stayed that large (docs/hot-path.md, "a receive queue of 100
+/// batches"). A hundred batches are still a few seconds of an engine's events.
+pub const DEFAULT_RECEIVE_HWM: i32 = 100;
 
 /// What one listener connects to and how it hashes.
 #[derive(Clone, Debug)]

@@ -87,7 +87,7 @@ pub struct CoreConfig {
     /// One copy ignores it.
     pub kv_index_writer: kv_index::IndexWriter,
     /// Messages each KV listener queues unread before it stops reading its connection
-    /// (`ZMQ_RCVHWM`; libzmq's default 1,000). With the largest message accepted, this
+    /// (`ZMQ_RCVHWM`; [`kv_events::DEFAULT_RECEIVE_HWM`], 100). With the largest message accepted, this
     /// bounds the memory a stalled server gives to backlogs; past it the engines drop,
     /// and the listeners replay the gaps.
     pub kv_receive_hwm: i32,
