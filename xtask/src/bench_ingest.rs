@@ -258,20 +258,19 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
     );
     // Growing the index; at its capacity (each worker stores 416 blocks and holds 160,
     // the prefixes and four batches, so the index evicts 256 per worker); at a steady
-    // size through removals (each worker keeps its last 16 of 96 events); and at its
-    // capacity again with two copies of the index, whose evictions must match; and through
-    // removals with a writer thread applying the listeners' batches.
-    let two_copies = ["--kv-index-copies=2".to_owned()];
-    let writer_thread = [
-        "--kv-index-copies=2".to_owned(),
-        "--kv-index-writer-thread".to_owned(),
-    ];
+    // size through removals (each worker keeps its last 16 of 96 events): with the
+    // default two copies and writer thread, with one copy written by the listeners, and
+    // at the capacity with two copies written by the listeners, whose evictions must match.
+    let one_copy = ["--kv-index-copies=1".to_owned()];
+    let listeners_write = ["--kv-index-writer=listeners".to_owned()];
     for (capacity, retain, args) in [
         (None, None, &[][..]),
         (Some(160), None, &[][..]),
         (None, Some(16), &[][..]),
-        (Some(160), None, &two_copies[..]),
-        (None, Some(16), &writer_thread[..]),
+        (None, None, &one_copy[..]),
+        (Some(160), None, &one_copy[..]),
+        (None, Some(16), &one_copy[..]),
+        (Some(160), None, &listeners_write[..]),
     ] {
         let workload = Workload {
             capacity,

@@ -58,10 +58,20 @@ Environment (router configuration, read once at startup; defaults in parentheses
   DYN_ROUTER_MIN_INITIAL_WORKERS (0)
 Booleans accept 1/true/on/yes and 0/false/off/no; an empty variable counts as unset.";
 
-/// `--kv-ingest-nice` when `--kv-index-writer-thread` is given without it: on 2 cores it
+/// `--kv-ingest-nice` with a writer thread (`--kv-index-writer thread`, the default), unless
+/// given: on 2 cores it
 /// took the client's `/select` p99 to 0.65-0.75x at 16 publishers and 0.32x at 2,048, for
 /// the same or a higher ingest rate (docs/hot-path.md, "ingest threads at a lower priority").
 const WRITER_THREAD_INGEST_NICE: u8 = 10;
+
+/// Who applies KV events to a two-copy index (`--kv-index-writer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum KvIndexWriter {
+    /// A writer thread per partition, which the listener threads hand their batches to.
+    Thread,
+    /// The listener threads, each in its own write sections.
+    Listeners,
+}
 
 /// How log lines are written (`--log-format`).
 
@@ -207,8 +217,8 @@ struct Cli {
     http_threads: Option<u64>,
 
     /// Threads that receive, decode and index KV events, each serving up to 1,024 (worker,
-    /// rank) listeners (default: one per available core, one fewer with
-    /// --kv-index-writer-thread). Where engines' events and
+    /// rank) listeners (default: one per available core; one fewer, at least one, with a
+    /// writer thread, --kv-index-writer). Where engines' events and
     /// `/select` share few cores, one fewer than the cores leaves the HTTP threads a core
     /// during event bursts: a shorter `/select` tail for a lower peak ingest rate.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024), value_name = "N")]
@@ -223,31 +233,31 @@ struct Cli {
 
     /// Nice value increment (0-19) of the threads that receive and decode KV events (the
     /// listener threads and ZMQ's I/O threads), so that on shared cores the HTTP threads
-    /// and a --kv-index-writer-thread get the larger share. Raising a nice value needs no
-    /// privilege; a thread that cannot lower itself runs as before, with a warning.
-    /// Default: 10 with --kv-index-writer-thread, else 0 (the listeners then write the index
-    /// themselves, and lowering them lowers the ingest rate).
+    /// and the index's writer thread (--kv-index-writer) get the larger share. Raising a
+    /// nice value needs no privilege; a thread that cannot lower itself runs as before,
+    /// with a warning. Default: 10 with a writer thread, else 0 (the listeners then write
+    /// the index themselves, and lowering them lowers the ingest rate).
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=19), value_name = "N")]
     kv_ingest_nice: Option<u8>,
 
-    /// Copies of each partition's prefix index. 1: lookups wait for the event write in
-    /// progress (microseconds, longer when the writer loses its core inside it). 2: the
-    /// index and a lookup-only mirror; lookups never wait for a writer, for about a third
-    /// more index memory and more event-apply CPU (least with --kv-listener-threads 1).
-    #[arg(long, default_value = "1", value_parser = clap::value_parser!(u8).range(1..=2), value_name = "N")]
+    /// Copies of each partition's prefix index. 2: the index and a lookup-only mirror, so
+    /// lookups never wait for an event write, for about 60 % more index memory (the mirror
+    /// holds the trie again). 1: lookups wait for the write in progress (microseconds,
+    /// longer when its writer loses its core inside it), and the listener threads write.
+    #[arg(long, default_value = "2", value_parser = clap::value_parser!(u8).range(1..=2), value_name = "N")]
     kv_index_copies: u8,
 
-    /// With --kv-index-copies 2: a writer thread per partition applies the KV listeners'
-    /// batches, which they hand over instead of writing the index themselves, so decoding
-    /// and the index write run on two cores at once. A batch reaches lookups once that
-    /// thread has applied it (microseconds later, a few milliseconds at most). On 2 cores
-    /// it ingests at about the one-copy default's rate or above, with no lookup waiting for
-    /// a write, for about 40 % more index memory. Changes two defaults: one listener thread fewer
-    /// than the cores (--kv-listener-threads), and the ingest threads' priority lowered
-    /// (--kv-ingest-nice 10), so that the writer and the HTTP threads get the larger share
-    /// of a contended core (docs/operations.md).
-    #[arg(long)]
-    kv_index_writer_thread: bool,
+    /// Who applies KV events to a two-copy index. thread (the default with two copies): a
+    /// writer thread per partition applies the batches the listener threads hand over, so
+    /// decoding and the index write run on two cores at once; a batch reaches lookups once
+    /// that thread has applied it (a few milliseconds later at most). It also sets two
+    /// defaults: one listener thread fewer than the cores (--kv-listener-threads) and the
+    /// ingest threads at nice 10 (--kv-ingest-nice), so that the writer and the HTTP
+    /// threads get the larger share of a contended core. listeners: each listener thread
+    /// writes the index itself, in turns (the only writer of a one-copy index).
+    /// docs/operations.md compares them.
+    #[arg(long, value_enum, value_name = "WHO")]
+    kv_index_writer: Option<KvIndexWriter>,
 
     /// Messages each KV listener queues unread before it stops reading its engine's
     /// connection (ZMQ_RCVHWM). With the largest accepted message, this bounds the memory
@@ -361,7 +371,7 @@ pub struct ServerConfig {
     pub kv_ingest_nice: u8,
     /// `--kv-index-copies`.
     pub kv_index_copies: service_builder::IndexCopies,
-    /// `--kv-index-writer-thread`.
+    /// `--kv-index-writer`.
     pub kv_index_writer: service_builder::IndexWriter,
     /// `--kv-receive-hwm`.
     pub kv_receive_hwm: i32,
@@ -415,9 +425,9 @@ impl Default for ServerConfig {
             kv_replay_timeout: Duration::from_secs(5),
             kv_listener_threads: None,
             kv_writer_step_aside: Some(service_builder::DEFAULT_KV_WRITER_STEP_ASIDE),
-            kv_ingest_nice: 0,
-            kv_index_copies: service_builder::IndexCopies::One,
-            kv_index_writer: service_builder::IndexWriter::Listeners,
+            kv_ingest_nice: WRITER_THREAD_INGEST_NICE,
+            kv_index_copies: service_builder::IndexCopies::Two,
+            kv_index_writer: service_builder::IndexWriter::Thread,
             kv_receive_hwm: service_builder::DEFAULT_RECEIVE_HWM,
             router: RouterConfig::default(),
             policy_names: PolicyNames::default(),
@@ -603,13 +613,17 @@ impl ServerConfig {
                     .map_err(|_| "expected a non-negative integer".to_owned())
             })?
             .unwrap_or(0);
-        if cli.kv_index_writer_thread && cli.kv_index_copies != 2 {
-            return Err(
-                "--kv-index-writer-thread needs --kv-index-copies 2: a one-copy index is \
-                 written by its listeners, in short sections its lookups wait for"
-                    .to_owned(),
-            );
-        }
+        let writer_thread = match (cli.kv_index_writer, cli.kv_index_copies) {
+            (Some(KvIndexWriter::Thread), 1) => {
+                return Err(
+                    "--kv-index-writer thread needs --kv-index-copies 2: a one-copy index is \
+                     written by its listeners, in short sections its lookups wait for"
+                        .to_owned(),
+                );
+            }
+            (Some(writer), _) => writer == KvIndexWriter::Thread,
+            (None, copies) => copies == 2,
+        };
         let ext_proc = cli.ext_proc_port.map(|port| ExtProcSettings {
             port,
             tls: cli
@@ -654,7 +668,7 @@ impl ServerConfig {
                 .and_then(std::num::NonZeroUsize::new),
             kv_writer_step_aside: (cli.kv_writer_step_aside_us > 0)
                 .then(|| Duration::from_micros(cli.kv_writer_step_aside_us)),
-            kv_ingest_nice: cli.kv_ingest_nice.unwrap_or(if cli.kv_index_writer_thread {
+            kv_ingest_nice: cli.kv_ingest_nice.unwrap_or(if writer_thread {
                 WRITER_THREAD_INGEST_NICE
             } else {
                 0
@@ -663,7 +677,7 @@ impl ServerConfig {
                 2 => service_builder::IndexCopies::Two,
                 _ => service_builder::IndexCopies::One,
             },
-            kv_index_writer: if cli.kv_index_writer_thread {
+            kv_index_writer: if writer_thread {
                 service_builder::IndexWriter::Thread
             } else {
                 service_builder::IndexWriter::Listeners
@@ -1053,17 +1067,17 @@ mod tests {
     }
 
     #[test]
-    fn kv_ingest_nice_defaults_to_zero_and_stops_at_nineteen() {
-        assert_eq!(parse(&[], &[]).unwrap().kv_ingest_nice, 0);
-        // With a writer thread, the ingest threads run lowered unless told otherwise.
-        let writer = ["--kv-index-copies", "2", "--kv-index-writer-thread"];
-        assert_eq!(parse(&writer, &[]).unwrap().kv_ingest_nice, 10);
-        let explicit = [&writer[..], &["--kv-ingest-nice", "0"]].concat();
-        assert_eq!(parse(&explicit, &[]).unwrap().kv_ingest_nice, 0);
+    fn kv_ingest_nice_defaults_to_ten_with_a_writer_thread_and_stops_at_nineteen() {
+        // With a writer thread (the default), the ingest threads run lowered unless told
+        // otherwise; without one they write the index and run at the server's priority.
+        assert_eq!(parse(&[], &[]).unwrap().kv_ingest_nice, 10);
+        assert_eq!(ServerConfig::default().kv_ingest_nice, 10);
+        let nice = |args: &[&str]| parse(args, &[]).unwrap().kv_ingest_nice;
+        assert_eq!(nice(&["--kv-ingest-nice", "0"]), 0);
+        assert_eq!(nice(&["--kv-index-writer", "listeners"]), 0);
+        assert_eq!(nice(&["--kv-index-copies", "1"]), 0);
         assert_eq!(
-            parse(&["--kv-ingest-nice", "10"], &[])
-                .unwrap()
-                .kv_ingest_nice,
+            nice(&["--kv-index-copies", "1", "--kv-ingest-nice", "10"]),
             10
         );
         assert!(err(&["--kv-ingest-nice", "20"], &[]).contains("--kv-ingest-nice"));
@@ -1098,9 +1112,13 @@ mod tests {
     }
 
     #[test]
-    fn kv_index_copies_default_to_one_and_accept_only_one_or_two() {
+    fn kv_index_copies_default_to_two_and_accept_only_one_or_two() {
         let copies = |args: &[&str]| parse(args, &[]).unwrap().kv_index_copies;
-        assert_eq!(copies(&[]), service_builder::IndexCopies::One);
+        assert_eq!(copies(&[]), service_builder::IndexCopies::Two);
+        assert_eq!(
+            ServerConfig::default().kv_index_copies,
+            service_builder::IndexCopies::Two
+        );
         assert_eq!(
             copies(&["--kv-index-copies", "2"]),
             service_builder::IndexCopies::Two
@@ -1115,15 +1133,24 @@ mod tests {
     }
 
     #[test]
-    fn a_writer_thread_is_asked_for_with_two_copies_only() {
+    fn a_writer_thread_is_the_default_with_two_copies_only() {
+        use service_builder::IndexWriter::{Listeners, Thread};
         let writer = |args: &[&str]| parse(args, &[]).unwrap().kv_index_writer;
-        assert_eq!(writer(&[]), service_builder::IndexWriter::Listeners);
+        assert_eq!(writer(&[]), Thread);
+        assert_eq!(ServerConfig::default().kv_index_writer, Thread);
+        assert_eq!(writer(&["--kv-index-writer", "thread"]), Thread);
+        assert_eq!(writer(&["--kv-index-writer", "listeners"]), Listeners);
+        assert_eq!(writer(&["--kv-index-copies", "1"]), Listeners);
         assert_eq!(
-            writer(&["--kv-index-copies", "2", "--kv-index-writer-thread"]),
-            service_builder::IndexWriter::Thread
+            writer(&["--kv-index-copies", "1", "--kv-index-writer", "listeners"]),
+            Listeners
         );
-        let e = err(&["--kv-index-writer-thread"], &[]);
+        let e = err(
+            &["--kv-index-copies", "1", "--kv-index-writer", "thread"],
+            &[],
+        );
         assert!(e.contains("--kv-index-copies 2"), "{e}");
+        assert!(err(&["--kv-index-writer", "both"], &[]).contains("--kv-index-writer"));
     }
 
     #[test]

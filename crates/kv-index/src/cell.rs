@@ -2,8 +2,8 @@
 //! at a [`ReadGate`] for the write section in progress, or the index and a mirror of it
 //! (`twin.rs`), whose lookups never wait for a writer.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use kv_types::KvOperation;
@@ -92,6 +92,25 @@ impl Kind {
     }
 }
 
+/// What a writer thread calls after each batch it applies, with the index as that batch
+/// left it (still locked for writing: the hook must not read the cell). Its owner learns
+/// there what the batch did, as a caller of [`IndexCell::apply_batch`] learns it on return.
+pub type AfterBatch = Box<dyn Fn(&KvIndex, &[KvOperation]) + Send + Sync>;
+
+/// [`AfterBatch`] in a struct that derives `Debug`.
+#[derive(Default)]
+struct AfterBatchHook(OnceLock<AfterBatch>);
+
+impl std::fmt::Debug for AfterBatchHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "AfterBatchHook(set)"
+        } else {
+            "AfterBatchHook(unset)"
+        })
+    }
+}
+
 /// Batches left for a two-copy index's writer, and the signals of its writer thread.
 #[derive(Debug, Default)]
 struct Left {
@@ -118,6 +137,8 @@ struct Left {
     returned: Mutex<Vec<Vec<KvOperation>>>,
     /// Turns of the writer thread that panicked (their batches lost).
     writer_panics: AtomicU64,
+    /// Called by the writer thread after each batch ([`IndexCell::after_each_threaded_batch`]).
+    after_batch: AfterBatchHook,
 }
 
 impl Left {
@@ -223,6 +244,30 @@ impl IndexCell {
             spawn_writer(twin, left, gate)?;
         }
         Ok(IndexCell { kind })
+    }
+
+    /// Has this cell's writer thread call `hook` after each batch it applies, once it is
+    /// applied to the index (before the mirror has it). Returns `false`, and drops `hook`,
+    /// for a cell without a writer thread, whose batches are applied by the callers of
+    /// [`IndexCell::apply_batch`], or one that has a hook already.
+    pub fn after_each_threaded_batch(&self, hook: AfterBatch) -> bool {
+        match &self.kind {
+            Kind::Two {
+                left,
+                threaded: true,
+                ..
+            } => left.after_batch.0.set(hook).is_ok(),
+            _ => false,
+        }
+    }
+
+    /// Who applies this cell's batches: [`IndexWriter::Thread`] only for a two-copy cell
+    /// whose writer thread started.
+    pub fn writer(&self) -> IndexWriter {
+        match self.kind {
+            Kind::Two { threaded: true, .. } => IndexWriter::Thread,
+            _ => IndexWriter::Listeners,
+        }
     }
 
     pub fn copies(&self) -> IndexCopies {
@@ -540,9 +585,13 @@ fn apply_until_due(index: &mut KvIndex, left: &Left, gate: &ReadGate) {
         batches: taken.len(),
     };
     let mut applied = 0;
+    let hook = left.after_batch.0.get();
     for batch in &taken {
         for op in batch {
             index.apply(op);
+        }
+        if let Some(hook) = hook {
+            hook(index, batch);
         }
         applied += 1;
         if gate.step_aside_due() {
@@ -600,6 +649,56 @@ mod tests {
         assert_eq!(left.applied.load(Ordering::Acquire), 3);
         // Returns at once: nothing handed over is left to wait for.
         left.wait_applied();
+    }
+
+    fn store(worker: u64, first: u64) -> KvOperation {
+        use kv_types::{BlockHash, ExternalHash, KvOperationKind, StorageTier, StoredBlock};
+        KvOperation {
+            worker: kv_types::WorkerKey::new(worker, 0),
+            tier: StorageTier::Device,
+            event_id: 0,
+            kind: KvOperationKind::Stored {
+                parent_hash: None,
+                blocks: (first..first + 2)
+                    .map(|h| StoredBlock::new(ExternalHash(h), BlockHash(h)))
+                    .collect(),
+            },
+        }
+    }
+
+    /// The hook sees each batch once it is in the index, in order, and only a cell with a
+    /// writer thread takes one.
+    #[test]
+    fn a_writer_thread_calls_its_hook_after_each_batch_applied() {
+        for (copies, writer) in [
+            (IndexCopies::One, IndexWriter::Thread),
+            (IndexCopies::Two, IndexWriter::Listeners),
+        ] {
+            let cell =
+                IndexCell::with_writer(copies, writer, None, || KvIndex::with_block_size(16))
+                    .expect("cell");
+            assert_eq!(cell.writer(), IndexWriter::Listeners);
+            assert!(!cell.after_each_threaded_batch(Box::new(|_, _| {})));
+        }
+        let cell = IndexCell::with_writer(IndexCopies::Two, IndexWriter::Thread, None, || {
+            KvIndex::with_block_size(16)
+        })
+        .expect("thread");
+        assert_eq!(cell.writer(), IndexWriter::Thread);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        assert!(
+            cell.after_each_threaded_batch(Box::new(move |index, batch| {
+                log.lock()
+                    .push((batch.len(), index.primary().stats().memberships));
+            }))
+        );
+        assert!(!cell.after_each_threaded_batch(Box::new(|_, _| {})));
+        cell.apply_batch(&[store(1, 10)]);
+        cell.apply_batch(&[store(2, 20), store(3, 30)]);
+        // A cold read waits for both batches, so the hook has run for them.
+        assert_eq!(cell.read_whole().primary().stats().memberships, 6);
+        assert_eq!(*seen.lock(), [(1, 2), (2, 6)]);
     }
 
     #[test]

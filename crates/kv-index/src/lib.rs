@@ -123,8 +123,10 @@
 //!   ([`IndexCell::with_writer`]) a thread of the cell's own applies every batch: the
 //!   listeners hand theirs over and go back to decoding, so decoding and the index write
 //!   run on two cores, and cold reads ([`IndexCell::read_whole`]) wait for the batches
-//!   handed over before them. It still costs memory and write work, so it is the
-//!   caller's choice.
+//!   handed over before them; what a caller would learn from a batch's return it
+//!   learns from a hook the thread calls after each batch
+//!   ([`IndexCell::after_each_threaded_batch`]). It still costs memory and write work,
+//!   so it is the caller's choice.
 //!
 //! Measurements of the lookup, apply and memory benches, and the variants measured and
 //! rejected, are in docs/hot-path.md ("Prefix index"); `cargo bench -p benches --bench
@@ -146,7 +148,7 @@ mod ttl;
 mod twin;
 
 pub use cell::{
-    IndexCell, IndexCopies, IndexRead, IndexWaits, IndexWriter, MAX_HANDED_BATCHES,
+    AfterBatch, IndexCell, IndexCopies, IndexRead, IndexWaits, IndexWriter, MAX_HANDED_BATCHES,
     MAX_LEFT_BATCHES,
 };
 pub use gate::{GateCounts, ReadGate};

@@ -285,7 +285,7 @@ fn encode_index(core: &SelectionCore, enc: &mut DescriptorEncoder<'_>) -> fmt::R
     rows(
         enc,
         "index_writer_panics",
-        "Turns of an index writer thread (--kv-index-writer-thread) whose apply panicked, \
+        "Turns of an index writer thread (--kv-index-writer thread, the default) whose apply panicked, \
          a bug: the batches it had taken were lost, and the thread went on.",
         MetricType::Counter,
         snapshot.iter().map(|r| (part(r), r.waits.writer_panics)),

@@ -601,21 +601,22 @@ fn thread_nice_values(server: &Server, prefix: &str) -> Vec<i64> {
     testkit::thread_nice_values(server.child.id(), prefix)
 }
 
-/// With a writer thread, the threads that receive and decode events run at nice 10 unless
-/// told otherwise, the writer and HTTP threads at the server's own priority, and the
-/// listener threads are one fewer than the cores; without one, all run at the server's
-/// priority.
+/// With a writer thread (the default), the threads that receive and decode events run at
+/// nice 10 unless told otherwise, the writer and HTTP threads at the server's own priority,
+/// and the listener threads are one fewer than the cores; without one (one copy, or the
+/// listeners as writers), all run at the server's priority.
 #[cfg(target_os = "linux")]
 #[test]
 fn ingest_threads_run_lowered_beside_a_writer_thread() {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::PUB).unwrap();
     let zport = bind_loopback(&publisher);
-    let writer = ["--kv-index-copies", "2", "--kv-index-writer-thread"];
-    for (args, ingest) in [
-        (&writer[..], 10),
-        (&[&writer[..], &["--kv-ingest-nice", "3"]].concat()[..], 3),
-        (&[][..], 0),
+    // (flags, the ingest threads' nice value, whether a writer thread runs)
+    for (args, ingest, writer) in [
+        (&[][..], 10, true),
+        (&["--kv-ingest-nice", "3"][..], 3, true),
+        (&["--kv-index-copies", "1"][..], 0, false),
+        (&["--kv-index-writer", "listeners"][..], 0, false),
     ] {
         let server = Server::start(args);
         register_pair(&server, zport);
@@ -636,11 +637,7 @@ fn ingest_threads_run_lowered_beside_a_writer_thread() {
         // The two listeners get a thread each up to the default count, which leaves a core
         // to a writer thread.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let threads = if args.is_empty() {
-            cores
-        } else {
-            (cores - 1).max(1)
-        };
+        let threads = if writer { (cores - 1).max(1) } else { cores };
         assert_eq!(listeners.len(), threads.min(2), "{args:?}: {listeners:?}");
         let io = thread_nice_values(&server, "kv-zmq-io");
         assert!(
@@ -648,7 +645,7 @@ fn ingest_threads_run_lowered_beside_a_writer_thread() {
             "{args:?}: {io:?}"
         );
         let writers = thread_nice_values(&server, "kv-index-writer");
-        assert_eq!(writers.len(), usize::from(!args.is_empty()), "{args:?}");
+        assert_eq!(writers.len(), usize::from(writer), "{args:?}");
         assert!(writers.iter().all(|&v| v == 0), "{args:?}: {writers:?}");
     }
 }

@@ -326,13 +326,13 @@ impl SelectionCore {
                  Eagle flag; the partition takes them and keeps the recovered index, whose \
                  blocks were hashed differently and will not match new prompts"
             );
-            let adopted = Arc::new(self.new_partition(key.clone(), block_size, is_eagle));
+            let adopted = self.new_partition(key.clone(), block_size, is_eagle);
             p.index
                 .move_into(&adopted.index, || KvIndex::with_block_size(p.block_size));
             state.partitions.insert(key, Arc::clone(&adopted));
             return Ok(adopted);
         }
-        let p = Arc::new(self.new_partition(key.clone(), block_size, is_eagle));
+        let p = self.new_partition(key.clone(), block_size, is_eagle);
         state.partitions.insert(key, Arc::clone(&p));
         Ok(p)
     }
@@ -342,7 +342,7 @@ impl SelectionCore {
         key: PartitionKey,
         block_size: u32,
         is_eagle: bool,
-    ) -> Partition {
+    ) -> Arc<Partition> {
         let router = &self.config.router;
         let policy = match &self.policy_factory {
             Some(f) => f(router, &key),
@@ -369,30 +369,38 @@ impl SelectionCore {
                 IndexCell::new(copies, step_aside, make)
             });
         let records_decisions = records_decisions(&index.read_whole());
-        Partition {
-            key,
-            block_size,
-            is_eagle,
-            records_decisions,
-            index,
-            ledger: Mutex::new(Ledger::new(LedgerConfig {
-                expiry: self.config.active_request_expiry,
-            })),
-            policy,
-            workers: RwLock::new(Arc::new(Roster::default())),
-            scratch: Mutex::new(Vec::new()),
-            rng: Mutex::new(PickRng::seeded(seed)),
-            next_expiry_check: Mutex::new(Instant::now()),
-            queue: PartitionQueue::new(&self.policy_classes()),
-            sessions: self
-                .config
-                .session_affinity_ttl
-                .map(|ttl| SessionTable::new(ttl, self.config.replica_id, clock_seed())),
-            adoptable: AtomicBool::new(false),
-            routing: RoutingStats::default(),
-            capacity_declared: AtomicBool::new(false),
-            capacity_log: Mutex::new(CapacityLog::default()),
-        }
+        Arc::new_cyclic(|me| {
+            let me = me.clone();
+            index.after_each_threaded_batch(Box::new(move |index, batch| {
+                if let Some(p) = me.upgrade() {
+                    super::ingest::after_threaded_batch(&p, index, batch);
+                }
+            }));
+            Partition {
+                key,
+                block_size,
+                is_eagle,
+                records_decisions,
+                index,
+                ledger: Mutex::new(Ledger::new(LedgerConfig {
+                    expiry: self.config.active_request_expiry,
+                })),
+                policy,
+                workers: RwLock::new(Arc::new(Roster::default())),
+                scratch: Mutex::new(Vec::new()),
+                rng: Mutex::new(PickRng::seeded(seed)),
+                next_expiry_check: Mutex::new(Instant::now()),
+                queue: PartitionQueue::new(&self.policy_classes()),
+                sessions: self
+                    .config
+                    .session_affinity_ttl
+                    .map(|ttl| SessionTable::new(ttl, self.config.replica_id, clock_seed())),
+                adoptable: AtomicBool::new(false),
+                routing: RoutingStats::default(),
+                capacity_declared: AtomicBool::new(false),
+                capacity_log: Mutex::new(CapacityLog::default()),
+            }
+        })
     }
 
     /// Republishes the schedulable worker map of a partition after worker `changed` was

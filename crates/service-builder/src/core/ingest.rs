@@ -2,6 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
+use kv_index::{IndexWriter, KvIndex};
 use kv_types::{KvOperation, KvOperationKind, WorkerKey};
 
 use super::SelectionCore;
@@ -64,12 +65,29 @@ fn stored_by(ops: &[KvOperation]) -> Option<WorkerKey> {
         .map(|op| op.worker)
 }
 
-/// What follows a batch of `stored`'s events: the capacity warning, when one is due.
+/// What follows a batch of `stored`'s events: the capacity warning, when one is due. A
+/// cell with a writer thread has only queued the batch: its thread calls
+/// [`after_threaded_batch`] once the batch is applied.
 fn after_apply(p: &Partition, stored: Option<WorkerKey>) {
     if let Some(worker) = stored
         && p.capacity_declared.load(Ordering::Relaxed)
+        && p.index.writer() == IndexWriter::Listeners
     {
         warn_capacity_evictions(p, worker);
+    }
+}
+
+/// [`after_apply`] on a partition's writer thread, with the index the batch was just
+/// applied to (which it holds locked for writing, so nothing here reads the cell).
+pub(super) fn after_threaded_batch(p: &Partition, index: &KvIndex, batch: &[KvOperation]) {
+    if !p.capacity_declared.load(Ordering::Relaxed) {
+        return;
+    }
+    if let Some(worker) = stored_by(batch) {
+        let total = index.counters().capacity_evicted;
+        warn_if_due(p, worker, total, || {
+            index.primary().capacity_evicted(worker)
+        });
     }
 }
 
@@ -83,10 +101,18 @@ fn warn_capacity_evictions(p: &Partition, worker: WorkerKey) {
     // listener does not wait for the index's writer on every batch; the whole index only
     // when a warning is due.
     let total = p.index.read().counters().capacity_evicted;
+    warn_if_due(p, worker, total, || {
+        p.index.read_whole().primary().capacity_evicted(worker)
+    });
+}
+
+/// The capacity warning for `worker`, if the partition's evictions reached `total` since
+/// the last one and the rate limit lets it through; `rank_total` reads the rank's own.
+fn warn_if_due(p: &Partition, worker: WorkerKey, total: u64, rank_total: impl FnOnce() -> u64) {
     let Some(evicted) = p.capacity_log.lock().due(total) else {
         return;
     };
-    let rank_total = p.index.read_whole().primary().capacity_evicted(worker);
+    let rank_total = rank_total();
     tracing::warn!(
         partition = %p.key.for_log(),
         worker_id = worker.worker_id.0,

@@ -274,7 +274,7 @@ impl SelectionCore {
                     Arc::clone(p)
                 }
                 None => {
-                    let p = Arc::new(self.new_partition(key.clone(), block_size, false));
+                    let p = self.new_partition(key.clone(), block_size, false);
                     p.adoptable.store(true, Ordering::Release);
                     state.partitions.insert(key, Arc::clone(&p));
                     p
