@@ -710,6 +710,13 @@ fn json_logs_are_one_object_per_line() {
             .unwrap_or_else(|| panic!("no {message:?} line in {text}"))
     };
     assert_eq!(find("kv-select listening")["level"], "INFO");
+    // What the ingest defaults resolved to, in one line.
+    let ingest = &find("kv-event ingest settings")["fields"];
+    assert_eq!(ingest["index_copies"], "Two", "{ingest}");
+    assert_eq!(ingest["index_writer"], "Thread", "{ingest}");
+    assert_eq!(ingest["ingest_nice"], 10, "{ingest}");
+    assert_eq!(ingest["receive_hwm"], 100, "{ingest}");
+    assert!(ingest["listener_threads"].as_u64() >= Some(1), "{ingest}");
     let registered = find("worker registered");
     assert_eq!(registered["fields"]["worker_id"], 3);
     assert_eq!(registered["fields"]["lifecycle"], "schedulable");

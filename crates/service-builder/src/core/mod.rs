@@ -191,6 +191,21 @@ impl SelectionCore {
             .or_else(|| default_listener_threads(&config));
         let receive_hwm = config.kv_receive_hwm;
         let ingest_nice = config.kv_ingest_nice;
+        // One line with what the ingest path resolved to: several of these defaults
+        // depend on each other and on the cores, and an operator reading a profile or a
+        // memory figure needs them.
+        tracing::info!(
+            index_copies = ?config.kv_index_copies,
+            index_writer = ?match config.kv_index_copies {
+                kv_index::IndexCopies::Two => config.kv_index_writer,
+                kv_index::IndexCopies::One => kv_index::IndexWriter::Listeners,
+            },
+            listener_threads = listener_threads.map_or(1, usize::from),
+            ingest_nice,
+            receive_hwm,
+            step_aside_us = config.kv_writer_step_aside.map_or(0, |d| d.as_micros()),
+            "kv-event ingest settings"
+        );
         Ok(Arc::new_cyclic(|weak: &std::sync::Weak<SelectionCore>| {
             let sink: Arc<dyn IngressSink> = Arc::new(weak.clone());
             Self {
