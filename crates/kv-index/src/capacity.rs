@@ -538,6 +538,18 @@ mod tests {
     }
 
     impl Tree {
+        /// Nodes `1..=n` in chains of `len` under the root 0 (`len*k + 1 ..= len*k + len`),
+        /// none held yet.
+        fn chains(n: usize, len: u32) -> Self {
+            let parent = (0..=n as u32)
+                .map(|i| if i == 0 || i % len == 1 { 0 } else { i - 1 })
+                .collect();
+            Tree {
+                parent,
+                held: vec![false; n + 1],
+            }
+        }
+
         /// Evicts through `cap` until nothing is held, returning the order.
         fn drain(&mut self, cap: &mut Capacity) -> Vec<u32> {
             let mut out = Vec::new();
@@ -723,13 +735,7 @@ mod tests {
     fn counting_ahead_ends_with_the_counts_of_a_count_from_scratch() {
         // Chains of 4 under the root: node 4k+1 .. 4k+4.
         let n = 4_000usize;
-        let parent: Vec<u32> = (0..=n as u32)
-            .map(|i| if i == 0 || i % 4 == 1 { 0 } else { i - 1 })
-            .collect();
-        let mut tree = Tree {
-            parent,
-            held: vec![false; n + 1],
-        };
+        let mut tree = Tree::chains(n, 4);
         let mut cap = Capacity::new(4_000);
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         let mut rand = |m: u64| {
@@ -804,11 +810,7 @@ mod tests {
     #[test]
     fn the_counts_are_ready_before_the_capacity_is_reached() {
         let n = 2_048usize;
-        let parent: Vec<u32> = (0..=n as u32)
-            .map(|i| if i == 0 || i % 8 == 1 { 0 } else { i - 1 })
-            .collect();
-        let held = vec![false; n + 1];
-        let mut tree = Tree { parent, held };
+        let mut tree = Tree::chains(n, 8);
         let mut cap = Capacity::new(n as u32);
         for chain in 0..n / 8 {
             for c in chain * 8 + 1..=chain * 8 + 8 {

@@ -121,6 +121,10 @@ impl WorkerState {
     /// find their table groups in cache; each of them otherwise waits for its own miss (a
     /// store's loop body is too long for the CPU to run the next block's probe early).
     #[inline]
+    ///
+    /// The block-table half of [`Self::get`] only: `get`'s `foreign` check first costs this
+    /// loop a load per block, which shows in `index_ingest` (docs/hot-path.md, "a store's
+    /// block-table probes made up front").
     pub(super) fn warm(&self, nodes: &[Node], blocks: &[StoredBlock]) {
         for block in blocks {
             let ext = block.block_hash;

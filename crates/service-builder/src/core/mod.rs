@@ -196,10 +196,7 @@ impl SelectionCore {
         // memory figure needs them.
         tracing::info!(
             index_copies = ?config.kv_index_copies,
-            index_writer = ?match config.kv_index_copies {
-                kv_index::IndexCopies::Two => config.kv_index_writer,
-                kv_index::IndexCopies::One => kv_index::IndexWriter::Listeners,
-            },
+            index_writer = ?effective_writer(&config),
             listener_threads = listener_threads.map_or(1, usize::from),
             ingest_nice,
             receive_hwm,
@@ -316,12 +313,17 @@ impl SelectionCore {
 /// at 2,048 publishers and kept the client's `/select` p99 under 1 ms at 16
 /// (docs/hot-path.md, "a writer thread"). `None` when the cores cannot be read (the ingress
 /// then uses one).
+/// Who writes the partitions' indexes: a one-copy index ignores the writer thread.
+fn effective_writer(config: &CoreConfig) -> kv_index::IndexWriter {
+    match config.kv_index_copies {
+        kv_index::IndexCopies::Two => config.kv_index_writer,
+        kv_index::IndexCopies::One => kv_index::IndexWriter::Listeners,
+    }
+}
+
 fn default_listener_threads(config: &CoreConfig) -> Option<std::num::NonZeroUsize> {
     let cores = std::thread::available_parallelism().ok()?;
-    // A one-copy index ignores the writer thread.
-    let writer_thread = config.kv_index_writer == kv_index::IndexWriter::Thread
-        && config.kv_index_copies == kv_index::IndexCopies::Two;
-    if writer_thread {
+    if effective_writer(config) == kv_index::IndexWriter::Thread {
         std::num::NonZeroUsize::new(cores.get() - 1).or(Some(std::num::NonZeroUsize::MIN))
     } else {
         Some(cores)
