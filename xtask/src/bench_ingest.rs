@@ -16,9 +16,7 @@
 //! memberships, and probes of sampled workers' chains through `/overlap_scores` find them
 //! whole.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +30,7 @@ use crate::bench_http::{PerfRecorder, ServerProcess, call, connect, send};
 use crate::bench_wrk::median;
 use crate::flood::{gauge, metrics, proc_status, register_with_capacity};
 use crate::ingest_workload::{
-    BLOCK_SIZE, PREFIX_BLOCKS, Parent, SHARED_PREFIXES, Workload, prefix_tokens,
+    BLOCK_SIZE, PREFIX_BLOCKS, Parent, Publisher, SHARED_PREFIXES, Workload, prefix_tokens,
 };
 
 #[derive(Debug, Parser)]
@@ -99,6 +97,11 @@ struct Args {
     /// running, so each run's lookup waits can be read against the machine's own stalls.
     #[arg(long, default_value_t = 300)]
     stall_probe_ms: u64,
+    /// Skip the null sink: by default every round first streams the workload to ZMQ
+    /// subscribers that only count (`ingest_ceiling.rs`), and each rate is also given over
+    /// that ceiling of the same round, which compares across windows and machines.
+    #[arg(long)]
+    no_ceiling: bool,
     /// Run from this (debug) build of the xtask instead of rerunning it as a release build.
     #[arg(long)]
     debug_client: bool,
@@ -156,9 +159,28 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
             binary_age(&build.binary)
         );
     }
+    let ceiling = !args.no_ceiling && workload.workers <= crate::ingest_ceiling::MAX_WORKERS;
+    if !args.no_ceiling && !ceiling {
+        eprintln!(
+            "xtask bench ingest: no null-sink ceiling past {} workers",
+            crate::ingest_ceiling::MAX_WORKERS
+        );
+    }
     let mut runs: Vec<(&'static str, Run)> = Vec::with_capacity(args.rounds * 2);
     for round in 0..args.rounds {
         let last_round = round + 1 == args.rounds;
+        let ceiling_rate = if ceiling {
+            let took = crate::ingest_ceiling::null_sink(&workload)?;
+            let rate = workload.stream_blocks() as f64 / took.as_secs_f64();
+            eprintln!(
+                "xtask bench ingest: round {} (null sink): {:.2} M blocks/s",
+                round + 1,
+                rate / 1e6
+            );
+            Some(rate)
+        } else {
+            None
+        };
         for build in round_order(round, &test, baseline.as_ref()) {
             let stalls = (args.stall_probe_ms > 0)
                 .then(|| crate::stall_probe::probe(Duration::from_millis(args.stall_probe_ms)));
@@ -176,6 +198,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
                 args.perf_seconds,
             )?;
             run.stalls = stalls;
+            run.ceiling = ceiling_rate;
             eprintln!(
                 "xtask bench ingest: round {} ({}): {}",
                 round + 1,
@@ -281,18 +304,25 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
         let started = Instant::now();
         let run = run_once(&workload, &binary, args, 5_000, None, 0)?;
         eprintln!(
-            "xtask: bench ingest smoke test (capacity {}, {} removals{}) passed in {:.1?} ({})",
+            "xtask: bench ingest smoke test (capacity {}, {} removals, {}) passed in {:.1?} ({})",
             workload.declared_capacity(),
             workload.removed_events(),
             if args.is_empty() {
-                ""
+                "defaults".to_owned()
             } else {
-                ", two index copies"
+                args.join(" ")
             },
             started.elapsed(),
             run.summary()
         );
     }
+    // The null sink receives every batch of a stream (its rate is not looked at).
+    let started = Instant::now();
+    crate::ingest_ceiling::null_sink(&workload)?;
+    eprintln!(
+        "xtask: bench ingest smoke test (null sink) passed in {:.1?}",
+        started.elapsed()
+    );
     Ok(())
 }
 
@@ -328,6 +358,8 @@ struct Run {
     drains_over_50us: u64,
     /// The machine's own stalls, probed just before the run.
     stalls: Option<crate::stall_probe::Stalls>,
+    /// Blocks/s of the round's null sink (`ingest_ceiling.rs`).
+    ceiling: Option<f64>,
     /// The same selections as the service timed them (`kv_select_selection_duration_seconds`
     /// over the stream): from the request's arrival in the selection service to its answer,
     /// lock waits included, without the HTTP thread's or the client's waits for a core.
@@ -412,6 +444,11 @@ impl Run {
         self.blocks as f64 / self.applied_in.as_secs_f64()
     }
 
+    /// The rate over the round's null sink; NaN without one.
+    fn over_ceiling(&self) -> f64 {
+        self.ceiling.map_or(f64::NAN, |c| self.rate() / c)
+    }
+
     fn cpu_per_million(&self) -> Option<f64> {
         self.server_cpu
             .map(|c| c.as_secs_f64() * 1e6 / self.blocks as f64)
@@ -431,8 +468,12 @@ impl Run {
 
     fn summary(&self) -> String {
         format!(
-            "{:.2} M blocks/s, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests)",
+            "{:.2} M blocks/s{}, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests)",
             self.rate() / 1e6,
+            self.ceiling.map_or_else(String::new, |_| format!(
+                " ({:.3} of the null sink)",
+                self.over_ceiling()
+            )),
             self.cpu_per_million()
                 .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.3}")),
             us(self.percentile(50.0)),
@@ -478,91 +519,6 @@ fn run_once(
         perf,
         perf_seconds,
     ))
-}
-
-/// The publisher child process and its command pipe; killed when dropped.
-#[derive(Debug)]
-struct Publisher {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    stdout: BufReader<ChildStdout>,
-    endpoints: Vec<String>,
-}
-
-impl Publisher {
-    fn start(w: &Workload) -> Result<Self> {
-        let exe = std::env::current_exe().context("cannot locate the running xtask")?;
-        // The workload as the publisher needs it: what it sends (not the capacity).
-        let retain = w
-            .retain
-            .map(|r| vec!["--retain-events".to_owned(), r.to_string()])
-            .unwrap_or_default();
-        let mut child = Command::new(exe)
-            .args(["bench", "ingest", "--publish"])
-            .args(["--workers", &w.workers.to_string()])
-            .args(["--batches", &w.batches.to_string()])
-            .args(["--events", &w.events.to_string()])
-            .args(["--blocks", &w.blocks.to_string()])
-            .args(["--shared", &w.shared.to_string()])
-            .args(retain)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("failed to start the publisher process")?;
-        let stdin = child.stdin.take().context("publisher stdin")?;
-        let stdout = BufReader::new(child.stdout.take().context("publisher stdout")?);
-        let mut p = Self {
-            child,
-            stdin: Some(stdin),
-            stdout,
-            endpoints: Vec::new(),
-        };
-        let started = Instant::now();
-        loop {
-            let line = p.line()?;
-            if line == "ready" {
-                break;
-            }
-            p.endpoints.push(line);
-        }
-        ensure!(
-            p.endpoints.len() as u64 == w.workers,
-            "the publisher bound {} sockets, expected {}",
-            p.endpoints.len(),
-            w.workers
-        );
-        eprintln!(
-            "xtask bench ingest: publisher pid {} encoded the workload in {:.1?}",
-            p.child.id(),
-            started.elapsed()
-        );
-        Ok(p)
-    }
-
-    fn line(&mut self) -> Result<String> {
-        let mut line = String::new();
-        let n = self.stdout.read_line(&mut line)?;
-        if n == 0 {
-            let status = self.child.wait()?;
-            bail!("the publisher exited ({status})");
-        }
-        Ok(line.trim().to_owned())
-    }
-
-    fn command(&mut self, cmd: &str) -> Result<()> {
-        let stdin = self.stdin.as_mut().context("publisher stdin closed")?;
-        writeln!(stdin, "{cmd}")?;
-        stdin.flush()?;
-        Ok(())
-    }
-}
-
-impl Drop for Publisher {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// `(worker_id, value)` of every series of `name` (e.g. `kv_select_kv_batches_applied_total`).
@@ -703,6 +659,7 @@ async fn drive(
         step_asides: gauge(&text, "kv_select_index_writer_step_asides_total"),
         drains_over_50us: gauge(&text, "kv_select_index_writer_drain_waits_over_50us_total"),
         stalls: None,
+        ceiling: None,
         lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
         in_service,
         blocks: w.stream_blocks(),
@@ -977,7 +934,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         w.shared * 100.0
     );
     println!(
-        "round       M blocks/s  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
+        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, (label, r)) in runs.iter().enumerate() {
@@ -989,9 +946,11 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             round.to_string()
         };
         println!(
-            "{:>10}  {:>10.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
             name,
             r.rate() / 1e6,
+            r.ceiling.map_or(f64::NAN, |c| c / 1e6),
+            r.over_ceiling(),
             cpu(r),
             r.published_in.as_secs_f64(),
             us(r.percentile(50.0)),
@@ -1035,13 +994,15 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         }
         let m = Medians::of(&of);
         println!(
-            "{:>10}  {:>10.3}  {:>14.3}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
             if compared {
                 format!("median {label}")
             } else {
                 "median".to_owned()
             },
             m.rate,
+            m.ceiling,
+            m.over_ceiling,
             m.cpu,
             "",
             m.p50,
@@ -1059,8 +1020,9 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
     }
     if let [base, test] = medians.as_slice() {
         println!(
-            "test / base (medians): M blocks/s ×{:.3}, CPU per M blocks ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
+            "test / base (medians): M blocks/s ×{:.3} (over the null sink ×{:.3}), CPU per M blocks ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
             test.rate / base.rate,
+            test.over_ceiling / base.over_ceiling,
             test.cpu / base.cpu,
             test.p99 / base.p99,
             test.p99_less_client_waits / base.p99_less_client_waits,
@@ -1073,6 +1035,9 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
 /// Medians of one build's runs, for the table's last lines and the ratios.
 struct Medians {
     rate: f64,
+    /// The null sink's M blocks/s and each run's rate over its round's.
+    ceiling: f64,
+    over_ceiling: f64,
     cpu: f64,
     p50: f64,
     p99: f64,
@@ -1086,6 +1051,8 @@ impl Medians {
         let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(|r| f(r)).collect());
         Medians {
             rate: m(&|r| r.rate() / 1e6),
+            ceiling: m(&|r| r.ceiling.map_or(f64::NAN, |c| c / 1e6)),
+            over_ceiling: m(&|r| r.over_ceiling()),
             cpu: m(&|r| r.cpu_per_million().unwrap_or(f64::NAN)),
             p50: m(&|r| us(r.percentile(50.0))),
             p99: m(&|r| us(r.percentile(99.0))),
@@ -1149,6 +1116,15 @@ mod tests {
         let w = a.workload();
         assert_eq!((w.workers, w.batches, w.events, w.blocks), (16, 977, 32, 8));
         assert_eq!(w.stream_blocks(), 4_001_792);
+        assert!(
+            !a.no_ceiling,
+            "every round measures the null sink unless told not to"
+        );
+        assert!(
+            Args::try_parse_from(["x", "--no-ceiling"])
+                .unwrap()
+                .no_ceiling
+        );
         let p = Args::try_parse_from(["x", "--workers", "2048", "--batches", "8", "--rounds", "3"])
             .unwrap();
         assert_eq!((p.workers, p.batches, p.rounds), (2048, 8, 3));

@@ -12,7 +12,9 @@
 //! start at the root. Tokens come from a counter through splitmix64, so no two blocks share
 //! their tokens and every run streams the same bytes.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 
@@ -373,6 +375,91 @@ pub(crate) fn publish(w: &Workload) -> Result<()> {
         stdout.flush()?;
     }
     Ok(())
+}
+
+/// The publisher child process and its command pipe; killed when dropped.
+#[derive(Debug)]
+pub(crate) struct Publisher {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    pub(crate) endpoints: Vec<String>,
+}
+
+impl Publisher {
+    pub(crate) fn start(w: &Workload) -> Result<Self> {
+        let exe = std::env::current_exe().context("cannot locate the running xtask")?;
+        // The workload as the publisher needs it: what it sends (not the capacity).
+        let retain = w
+            .retain
+            .map(|r| vec!["--retain-events".to_owned(), r.to_string()])
+            .unwrap_or_default();
+        let mut child = Command::new(exe)
+            .args(["bench", "ingest", "--publish"])
+            .args(["--workers", &w.workers.to_string()])
+            .args(["--batches", &w.batches.to_string()])
+            .args(["--events", &w.events.to_string()])
+            .args(["--blocks", &w.blocks.to_string()])
+            .args(["--shared", &w.shared.to_string()])
+            .args(retain)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("failed to start the publisher process")?;
+        let stdin = child.stdin.take().context("publisher stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("publisher stdout")?);
+        let mut p = Self {
+            child,
+            stdin: Some(stdin),
+            stdout,
+            endpoints: Vec::new(),
+        };
+        let started = Instant::now();
+        loop {
+            let line = p.line()?;
+            if line == "ready" {
+                break;
+            }
+            p.endpoints.push(line);
+        }
+        ensure!(
+            p.endpoints.len() as u64 == w.workers,
+            "the publisher bound {} sockets, expected {}",
+            p.endpoints.len(),
+            w.workers
+        );
+        eprintln!(
+            "xtask bench ingest: publisher pid {} encoded the workload in {:.1?}",
+            p.child.id(),
+            started.elapsed()
+        );
+        Ok(p)
+    }
+
+    pub(crate) fn line(&mut self) -> Result<String> {
+        let mut line = String::new();
+        let n = self.stdout.read_line(&mut line)?;
+        if n == 0 {
+            let status = self.child.wait()?;
+            bail!("the publisher exited ({status})");
+        }
+        Ok(line.trim().to_owned())
+    }
+
+    pub(crate) fn command(&mut self, cmd: &str) -> Result<()> {
+        let stdin = self.stdin.as_mut().context("publisher stdin closed")?;
+        writeln!(stdin, "{cmd}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 #[cfg(test)]

@@ -35,6 +35,7 @@ mod bench_http;
 mod bench_ingest;
 mod bench_wrk;
 mod flood;
+mod ingest_ceiling;
 mod ingest_workload;
 mod instructions;
 mod loom;
