@@ -622,10 +622,17 @@ fn ingest_threads_run_lowered_beside_a_writer_thread() {
         register_pair(&server, zport);
         let own = thread_nice_values(&server, "select-server");
         assert_eq!(own, [0], "{args:?}");
+        // The two listeners get a thread each up to the default count, which leaves a core
+        // to a writer thread.
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = if writer { (cores - 1).max(1) } else { cores }.min(2);
+        // A listener's thread starts after its registration answers, and lowers itself
+        // once running: wait for both (an empty list would pass any check on its items).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         let listeners = loop {
             let n = thread_nice_values(&server, "kv-events-");
-            if n.iter().all(|&v| v == ingest) || std::time::Instant::now() > deadline {
+            let settled = n.len() == threads && n.iter().all(|&v| v == ingest);
+            if settled || std::time::Instant::now() > deadline {
                 break n;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
@@ -634,11 +641,7 @@ fn ingest_threads_run_lowered_beside_a_writer_thread() {
             listeners.iter().all(|&v| v == ingest),
             "{args:?}: {listeners:?}"
         );
-        // The two listeners get a thread each up to the default count, which leaves a core
-        // to a writer thread.
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let threads = if writer { (cores - 1).max(1) } else { cores };
-        assert_eq!(listeners.len(), threads.min(2), "{args:?}: {listeners:?}");
+        assert_eq!(listeners.len(), threads, "{args:?}: {listeners:?}");
         let io = thread_nice_values(&server, "kv-zmq-io");
         assert!(
             !io.is_empty() && io.iter().all(|&v| v == ingest),
