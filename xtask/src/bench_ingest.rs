@@ -159,13 +159,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
             binary_age(&build.binary)
         );
     }
-    let ceiling = !args.no_ceiling && workload.workers <= crate::ingest_ceiling::MAX_WORKERS;
-    if !args.no_ceiling && !ceiling {
-        eprintln!(
-            "xtask bench ingest: no null-sink ceiling past {} workers",
-            crate::ingest_ceiling::MAX_WORKERS
-        );
-    }
+    let ceiling = !args.no_ceiling;
     let mut runs: Vec<(&'static str, Run)> = Vec::with_capacity(args.rounds * 2);
     for round in 0..args.rounds {
         let last_round = round + 1 == args.rounds;

@@ -12,11 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::ingest_workload::{Publisher, Workload};
-
-/// Workers the null sink takes: one SUB socket each in one context, which libzmq caps at
-/// 1,023 sockets.
-pub(crate) const MAX_WORKERS: u64 = 1_000;
+use crate::ingest_workload::{PUBS_PER_CONTEXT, Publisher, Workload};
 
 /// How long one round of probes waits for seq 0 to arrive before sending it again.
 const PROBE_WAIT: Duration = Duration::from_millis(50);
@@ -24,15 +20,15 @@ const PROBE_WAIT: Duration = Duration::from_millis(50);
 /// Streams `w` from a fresh publisher process into subscribers that only count, and
 /// returns the time from `go` to the last batch received.
 pub(crate) fn null_sink(w: &Workload) -> Result<Duration> {
-    ensure!(
-        w.workers <= MAX_WORKERS,
-        "the null sink takes at most {MAX_WORKERS} workers"
-    );
     let mut publisher = Publisher::start(w)?;
-    let context = zmq::Context::new();
+    // One SUB socket per worker, in contexts of as many as the publisher's (libzmq caps a
+    // context at 1,023 sockets).
+    let contexts: Vec<zmq::Context> = (0..w.workers.div_ceil(PUBS_PER_CONTEXT))
+        .map(|_| zmq::Context::new())
+        .collect();
     let mut sockets = Vec::with_capacity(publisher.endpoints.len());
-    for endpoint in &publisher.endpoints {
-        let s = context.socket(zmq::SUB)?;
+    for (i, endpoint) in publisher.endpoints.iter().enumerate() {
+        let s = contexts[i / PUBS_PER_CONTEXT as usize].socket(zmq::SUB)?;
         s.set_linger(0)?;
         s.set_subscribe(b"")?;
         s.connect(endpoint)

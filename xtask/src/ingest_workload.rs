@@ -25,7 +25,7 @@ pub(crate) const PREFIX_BLOCKS: u64 = 8;
 /// Tokens per block (the block size every worker registers).
 pub(crate) const BLOCK_SIZE: u64 = 16;
 /// PUB sockets per ZMQ context of the publisher (libzmq caps a context at 1,023 sockets).
-const PUBS_PER_CONTEXT: u64 = 1_000;
+pub(crate) const PUBS_PER_CONTEXT: u64 = 1_000;
 /// Token ids stay below a realistic vocabulary size, so they encode as msgpack does them
 /// from an engine (2- and 4-byte integers).
 const VOCABULARY: u64 = 128_000;
