@@ -89,6 +89,8 @@ struct Sink {
     /// Batches of seq 1 and on (a late probe's seq 0 is not counted).
     batches: u64,
     frame: zmq::Message,
+    /// The sockets a poll found readable (kept, so a poll allocates only its items).
+    ready: Vec<usize>,
 }
 
 impl Sink {
@@ -99,6 +101,7 @@ impl Sink {
             landed: 0,
             batches: 0,
             frame: zmq::Message::new(),
+            ready: Vec::new(),
         }
     }
 
@@ -114,14 +117,17 @@ impl Sink {
         if zmq::poll(&mut items, ms)? == 0 {
             return Ok(());
         }
-        let ready: Vec<usize> = items
-            .iter()
-            .enumerate()
-            .filter(|(_, item)| item.is_readable())
-            .map(|(i, _)| i)
-            .collect();
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        ready.extend(
+            items
+                .iter()
+                .enumerate()
+                .filter(|(_, item)| item.is_readable())
+                .map(|(i, _)| i),
+        );
         drop(items);
-        for i in ready {
+        for &i in &ready {
             while let Some(seq) = self.batch(i)? {
                 if seq > 0 {
                     self.batches += 1;
@@ -131,6 +137,7 @@ impl Sink {
                 }
             }
         }
+        self.ready = ready;
         Ok(())
     }
 

@@ -16,8 +16,9 @@
 //! It is the workspace's only crate with `unsafe`: calling an intrinsic is `unsafe` in Rust
 //! even for a baseline feature, and safe wrappers exist only for features enabled at compile
 //! time, which would rule out detecting AVX2 or AVX-512 at run time. The unsafe code is
-//! confined to simd.rs, msgpack.rs and msgpack_sse.rs, where every block says why it is sound; the tests
-//! compare every vector path with the portable one or a one-id-at-a-time model.
+//! confined to simd.rs, msgpack.rs and msgpack_sse.rs, where every block says why it is
+//! sound; the tests compare every vector path with the portable one or a one-id-at-a-time
+//! model.
 
 mod list;
 #[cfg(target_arch = "x86_64")]
@@ -32,8 +33,9 @@ mod simd;
 /// they are positive fixints, u8s, u16s or u32s (`0x00..=0x7f`, `0xcc`, `0xcd`, `0xce`), lie
 /// whole within `bytes`, and `out` has room; returns the bytes and the ids it took. It takes
 /// every such leading id when the CPU has AVX-512 (F, BW, VBMI; msgpack.rs) or else SSSE3,
-/// SSE4.1 and AVX (msgpack_sse.rs), and none otherwise: the caller's one-id-at-a-time loop goes on from where this stops, and is the
-/// one that decodes any other marker (a signed int, a u64) or reports a truncated array.
+/// SSE4.1 and AVX (msgpack_sse.rs), and none otherwise: the caller's one-id-at-a-time loop
+/// goes on from where this stops, and is the one that decodes any other marker (a signed
+/// int, a u64) or reports a truncated array.
 /// The slots of `out` past the ids taken may have been written.
 pub fn msgpack_uints(bytes: &[u8], out: &mut [u32]) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]

@@ -11,9 +11,9 @@
 //! past the window is kept as `0x80 | (position - 16)`: the shuffle zeroes it and a blend
 //! on its top bit puts it back, so it stays where it is, as a stop does. Windows lie at
 //! fixed 16-byte steps and each takes the ids that start in it, so all one hands the next is
-//! where the next one's first id starts (0 to 4 bytes in). The values are then read id by
-//! id from the positions found: those reads do not depend on each other, where the
-//! one-id-at-a-time loop waits for each id's marker before it can find the next.
+//! where the next one's first id starts (0 to 4 bytes in). Two more shuffles per group of 4
+//! ids gather their value bytes from the window and the next one, and both groups are
+//! stored at once, whatever the count (up to 7 slots past the ids taken are written).
 //!
 //! Every `unsafe` here is one of the kinds simd.rs lists: calling an intrinsic of a feature
 //! the CPU is known to have (after `is_x86_feature_detected!`), or a load or store through a
@@ -137,10 +137,7 @@ unsafe fn group_values(
 #[target_feature(enable = "ssse3,sse4.1,avx")]
 unsafe fn msgpack_uints_sse(bytes: &[u8], out: &mut [u32]) -> (usize, usize) {
     let positions = constant(&POSITIONS);
-    let rounds = ROUND_LANES.map(|r| {
-        // SAFETY: as `constant`.
-        unsafe { _mm_loadu_si128(r.as_ptr().cast()) }
-    });
+    let rounds = ROUND_LANES.each_ref().map(constant);
     let mut filled = 0usize;
     let mut base = 0usize;
     let mut entry = 0usize;
@@ -196,9 +193,9 @@ unsafe fn msgpack_uints_sse(bytes: &[u8], out: &mut [u32]) -> (usize, usize) {
                 let len_at = _mm_shuffle_epi8(len, at);
                 let last = _mm_sub_epi8(_mm_add_epi8(at, len_at), one);
                 let width = _mm_max_epu8(_mm_sub_epi8(len_at, one), one);
-                let values = [0, 1].map(|g| {
+                let values = GROUPS.each_ref().map(|pick| {
                     // SAFETY: SSSE3, SSE4.1 and AVX, which this function has.
-                    unsafe { group_values(&GROUPS[g], last, width, window, following) }
+                    unsafe { group_values(pick, last, width, window, following) }
                 });
                 // Both groups are stored whole where `out` has room for them (no branch on
                 // how many ids the window held, which varies at random); the slots past
