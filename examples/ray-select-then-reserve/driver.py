@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,9 +166,11 @@ async def wait_until_index_empty(client: kv_select.AsyncClient, limit_s: float) 
     raise TimeoutError(f"kv-select still indexes blocks {limit_s}s after AllBlocksCleared")
 
 
-def start_server(binary: str) -> tuple[subprocess.Popen[bytes], str]:
-    """select-server on 127.0.0.1 with a port the OS picks, KV events on (the default)."""
-    log = Path(tempfile.mkdtemp(prefix="kv-select-ray-")) / "server.log"
+def start_server(binary: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """select-server on 127.0.0.1 with a port the OS picks, KV events on (the default); also
+    returns the directory of its log, for the caller to remove once it stopped the server."""
+    log_dir = Path(tempfile.mkdtemp(prefix="kv-select-ray-"))
+    log = log_dir / "server.log"
     env = dict(os.environ, DYN_ROUTER_USE_KV_EVENTS="true")
     with log.open("wb") as sink:
         process = subprocess.Popen(
@@ -177,11 +180,24 @@ def start_server(binary: str) -> tuple[subprocess.Popen[bytes], str]:
     while time.monotonic() < deadline and process.poll() is None:
         m = _LISTENING.search(log.read_text(errors="replace"))
         if m:
-            return process, f"http://127.0.0.1:{m.group(1)}"
+            return process, f"http://127.0.0.1:{m.group(1)}", log_dir
         time.sleep(0.02)
     process.kill()
     process.wait(10)
-    raise RuntimeError(f"select-server did not start:\n{log.read_text(errors='replace')}")
+    output = log.read_text(errors="replace")
+    shutil.rmtree(log_dir, ignore_errors=True)
+    raise RuntimeError(f"select-server did not start:\n{output}")
+
+
+def stop_server(process: subprocess.Popen[bytes], log_dir: Path) -> None:
+    """Stops a server from ``start_server`` and removes its log."""
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+    shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def table(results: list[RunResult]) -> Iterator[str]:
@@ -251,7 +267,8 @@ def main() -> int:
     server = None
     url = args.url
     if args.server_binary:
-        server, url = start_server(args.server_binary)
+        process, url, log_dir = start_server(args.server_binary)
+        server = (process, log_dir)
     # Our sockets (the server, the engines' ZMQ publishers) bind 127.0.0.1 only.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
@@ -259,12 +276,7 @@ def main() -> int:
     finally:
         ray.shutdown()
         if server is not None:
-            server.terminate()
-            try:
-                server.wait(10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(10)
+            stop_server(*server)
 
     print(
         f"{args.engines} engines, {args.requests} requests, {args.prefixes} shared prefixes of "

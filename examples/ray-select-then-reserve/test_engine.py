@@ -5,7 +5,6 @@ engine's own block hashes."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -13,7 +12,7 @@ from typing import Callable, Iterator
 import pytest
 
 import kv_select
-from driver import start_server
+from driver import start_server, stop_server
 from engine import Engine, block_hashes
 
 BLOCK = 4
@@ -25,17 +24,12 @@ def kv() -> Iterator[kv_select.Client]:
     binary = os.environ.get("KV_SELECT_SERVER") or str(
         Path(__file__).resolve().parents[2] / "target" / "debug" / "select-server"
     )
-    process, url = start_server(binary)
+    process, url, log_dir = start_server(binary)
     try:
         with kv_select.Client(url) as client:
             yield client
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop_server(process, log_dir)
 
 
 def wait_for(what: str, cond: Callable[[], bool]) -> None:

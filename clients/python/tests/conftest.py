@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -45,6 +46,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
+        """Stops the process and removes its log (pytest shows the failure; the log's
+        directory would otherwise stay behind in the temp dir after every run)."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -52,6 +55,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(STOP_LIMIT_S)
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -85,7 +89,9 @@ def start_server(
     if process.poll() is None:
         process.kill()
         process.wait(STOP_LIMIT_S)
-    pytest.fail(f"select-server did not start within {STARTUP_LIMIT_S}s:\n{log.read_text(errors='replace')}")
+    output = log.read_text(errors="replace")
+    shutil.rmtree(log_dir, ignore_errors=True)
+    pytest.fail(f"select-server did not start within {STARTUP_LIMIT_S}s:\n{output}")
 
 
 @pytest.fixture

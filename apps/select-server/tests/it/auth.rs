@@ -8,7 +8,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -192,7 +192,24 @@ fn edge_options_debug_hides_tokens() {
 // ---------------------------------------------------------------------------------------
 // Startup configuration (token and key files)
 
-fn temp_file(contents: &[u8]) -> PathBuf {
+/// A file in the temp dir that is removed when the test drops it, passed or not.
+struct TempFile(PathBuf);
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn temp_file(contents: &[u8]) -> TempFile {
     static N: AtomicU32 = AtomicU32::new(0);
     let path = std::env::temp_dir().join(format!(
         "kv-select-auth-{}-{}",
@@ -200,7 +217,7 @@ fn temp_file(contents: &[u8]) -> PathBuf {
         N.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::write(&path, contents).unwrap();
-    path
+    TempFile(path)
 }
 
 fn parse(args: &[&str]) -> Result<ServerConfig, clap::Error> {
