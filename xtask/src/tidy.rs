@@ -213,6 +213,48 @@ fn every_workspace_dependency_is_used() {
     );
 }
 
+/// `package|features` of every package `cargo tree` resolves for `args` (the host
+/// platform's graph), deduplicated.
+fn resolved_features(args: &[&str]) -> BTreeSet<String> {
+    let out = Command::new("cargo")
+        .args([
+            "tree",
+            "--offline",
+            "--prefix",
+            "none",
+            "--format",
+            "{p}|{f}",
+        ])
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "cargo tree {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim_end_matches(" (*)").to_owned())
+        .collect()
+}
+
+/// xtask's feature pins (xtask/Cargo.toml) are complete: every package xtask's own build
+/// resolves has a feature set the whole workspace's build also gives it, so the build
+/// `cargo xtask` starts with is reused by clippy and the tests rather than redone.
+#[test]
+fn xtask_dependencies_have_the_workspace_features() {
+    let workspace = resolved_features(&["--workspace", "--edges", "normal,build,dev"]);
+    let xtask = resolved_features(&["--package", "xtask", "--edges", "normal,build"]);
+    let differing: Vec<&String> = xtask.difference(&workspace).collect();
+    assert!(
+        differing.is_empty(),
+        "xtask alone resolves these packages with other features than the workspace does; \
+         pin the workspace's features in xtask/Cargo.toml: {differing:#?}"
+    );
+}
+
 #[test]
 fn no_environment_reads_under_crates() {
     let mut offenders = Vec::new();
