@@ -678,6 +678,11 @@ impl ServerProcess {
     pub(crate) fn cpu_time(&self) -> Option<Duration> {
         process_cpu_time(self.pid())
     }
+
+    /// Minor page faults of the server so far (Linux only).
+    pub(crate) fn minor_faults(&self) -> Option<u64> {
+        process_minor_faults(self.pid())
+    }
 }
 
 /// `program` itself, or `taskset -c CPUS program` (util-linux, on every Debian).
@@ -756,13 +761,30 @@ fn serve_ceiling(addr: SocketAddr) -> Result<()> {
 /// User + system CPU time of process `pid` so far, from `/proc/<pid>/stat` (fields 14 and
 /// 15, in clock ticks; 100 Hz on every Linux this runs on). `None` elsewhere.
 fn process_cpu_time(pid: u32) -> Option<Duration> {
+    let [utime, stime] = stat_fields(pid, 14)?;
+    Some(Duration::from_millis((utime + stime) * 10))
+}
+
+/// Minor page faults of process `pid` so far (`/proc/<pid>/stat` field 10): on a VM whose
+/// fresh pages are expensive, the figure that says how much of a run went to growing
+/// memory.
+fn process_minor_faults(pid: u32) -> Option<u64> {
+    let [minflt] = stat_fields(pid, 10)?;
+    Some(minflt)
+}
+
+/// `N` numeric fields of `/proc/<pid>/stat` from field number `first` (1-based, as
+/// proc(5) numbers them; `first` > 2).
+fn stat_fields<const N: usize>(pid: u32, first: usize) -> Option<[u64; N]> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may contain spaces; the fields after it are plain.
     let rest = stat.get(stat.rfind(')')? + 2..)?;
-    let mut fields = rest.split_ascii_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some(Duration::from_millis((utime + stime) * 10))
+    let mut fields = rest.split_ascii_whitespace().skip(first.checked_sub(3)?);
+    let mut out = [0; N];
+    for slot in &mut out {
+        *slot = fields.next()?.parse().ok()?;
+    }
+    Some(out)
 }
 
 impl Drop for ServerProcess {

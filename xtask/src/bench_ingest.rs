@@ -329,6 +329,8 @@ struct Run {
     /// The publisher's own time to send everything.
     published_in: Duration,
     server_cpu: Option<Duration>,
+    /// The server's minor page faults over the same span.
+    server_faults: Option<u64>,
     /// `/select` latencies during the stream.
     selects: Selects,
     registration: Duration,
@@ -446,6 +448,12 @@ impl Run {
     fn cpu_per_million(&self) -> Option<f64> {
         self.server_cpu
             .map(|c| c.as_secs_f64() * 1e6 / self.blocks as f64)
+    }
+
+    /// The server's minor page faults per thousand blocks.
+    fn faults_per_thousand(&self) -> f64 {
+        self.server_faults
+            .map_or(f64::NAN, |f| f as f64 * 1e3 / self.blocks as f64)
     }
 
     fn percentile(&self, p: f64) -> Duration {
@@ -593,6 +601,7 @@ async fn drive(
     let selects = SelectLoop::start(server, Duration::from_micros(select_interval_us)).await?;
     let in_service_before = Buckets::scrape(&metrics(&mut conn).await?);
     let cpu_before = server.cpu_time();
+    let faults_before = server.minor_faults();
     let recorder = perf
         .map(|out| PerfRecorder::start(server.pid(), out, perf_seconds))
         .transpose()?;
@@ -622,6 +631,7 @@ async fn drive(
     }
     let applied_in = go.elapsed();
     let server_cpu = cpu_before.and_then(|b| Some(server.cpu_time()? - b));
+    let server_faults = faults_before.and_then(|b| Some(server.minor_faults()?.saturating_sub(b)));
     let selects = selects.finish().await?;
     let in_service = Buckets::scrape(&metrics(&mut conn).await?).since(&in_service_before);
     if let Some(r) = recorder {
@@ -660,6 +670,7 @@ async fn drive(
         applied_in,
         published_in,
         server_cpu,
+        server_faults,
         selects,
         registration,
         threads: peak_threads,
@@ -928,7 +939,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         w.shared * 100.0
     );
     println!(
-        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
+        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  faults/k blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, (label, r)) in runs.iter().enumerate() {
@@ -940,12 +951,13 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             round.to_string()
         };
         println!(
-            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
             name,
             r.rate() / 1e6,
             r.ceiling.map_or(f64::NAN, |c| c / 1e6),
             r.over_ceiling(),
             cpu(r),
+            r.faults_per_thousand(),
             r.published_in.as_secs_f64(),
             us(r.percentile(50.0)),
             us(r.percentile(99.0)),
@@ -988,7 +1000,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         }
         let m = Medians::of(&of);
         println!(
-            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
             if compared {
                 format!("median {label}")
             } else {
@@ -998,6 +1010,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             m.ceiling,
             m.over_ceiling,
             m.cpu,
+            m.faults,
             "",
             m.p50,
             m.p99,
@@ -1014,10 +1027,11 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
     }
     if let [base, test] = medians.as_slice() {
         println!(
-            "test / base (medians): M blocks/s ×{:.3} (over the null sink ×{:.3}), CPU per M blocks ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
+            "test / base (medians): M blocks/s ×{:.3} (over the null sink ×{:.3}), CPU per M blocks ×{:.3}, page faults ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
             test.rate / base.rate,
             test.over_ceiling / base.over_ceiling,
             test.cpu / base.cpu,
+            test.faults / base.faults,
             test.p99 / base.p99,
             test.p99_less_client_waits / base.p99_less_client_waits,
             test.over_50us / base.over_50us,
@@ -1033,6 +1047,8 @@ struct Medians {
     ceiling: f64,
     over_ceiling: f64,
     cpu: f64,
+    /// Server minor page faults per thousand blocks.
+    faults: f64,
     p50: f64,
     p99: f64,
     p99_less_client_waits: f64,
@@ -1048,6 +1064,7 @@ impl Medians {
             ceiling: m(&|r| r.ceiling.map_or(f64::NAN, |c| c / 1e6)),
             over_ceiling: m(&|r| r.over_ceiling()),
             cpu: m(&|r| r.cpu_per_million().unwrap_or(f64::NAN)),
+            faults: m(&|r| r.faults_per_thousand()),
             p50: m(&|r| us(r.percentile(50.0))),
             p99: m(&|r| us(r.percentile(99.0))),
             p99_less_client_waits: m(&|r| r.percentile_less_client_waits_us(99.0)),
