@@ -541,6 +541,16 @@ fn per_worker(text: &str, name: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Workers `0..workers` with no applied batch in `applied` (`per_worker`'s pairs).
+fn without_seq_0(workers: u64, applied: &[(u64, u64)]) -> Vec<u64> {
+    let ready: std::collections::HashSet<u64> = applied
+        .iter()
+        .filter(|(_, n)| *n >= 1)
+        .map(|(id, _)| *id)
+        .collect();
+    (0..workers).filter(|id| !ready.contains(id)).collect()
+}
+
 /// Sum of the series of `name` whose labels contain every one of `labels`.
 fn labelled(text: &str, name: &str, labels: &[&str]) -> u64 {
     text.lines()
@@ -573,29 +583,33 @@ async fn drive(
     ensure!(status == StatusCode::OK, "GET /ready: {status} {body}");
 
     // Seq 0 until every listener has applied it: ZMQ drops what a PUB sends before a
-    // subscription lands.
+    // subscription lands. Resent only to the workers still without it: a listener that
+    // has it drops (and warns of) every copy after.
     let waited = Instant::now();
     let poll = if w.workers <= 64 { 50 } else { 250 };
+    let mut probe = "probe".to_owned();
     loop {
-        publisher.command("probe")?;
+        publisher.command(&probe)?;
         ensure!(
             publisher.line()? == "ok",
             "the publisher did not acknowledge the probe"
         );
         tokio::time::sleep(Duration::from_millis(poll)).await;
         let text = metrics(&mut conn).await?;
-        let ready = per_worker(&text, APPLIED)
-            .iter()
-            .filter(|(_, n)| *n >= 1)
-            .count();
-        if ready as u64 == w.workers {
+        let missing = without_seq_0(w.workers, &per_worker(&text, APPLIED));
+        if missing.is_empty() {
             break;
         }
         ensure!(
             waited.elapsed() < Duration::from_secs(60),
-            "{ready} of {} subscriptions landed within 60 s",
+            "{} of {} subscriptions landed within 60 s",
+            w.workers - missing.len() as u64,
             w.workers
         );
+        probe = std::iter::once("probe".to_owned())
+            .chain(missing.iter().map(u64::to_string))
+            .collect::<Vec<_>>()
+            .join(" ");
     }
 
     let selects = SelectLoop::start(server, Duration::from_micros(select_interval_us)).await?;
@@ -1092,6 +1106,16 @@ mod tests {
             labelled(text, "kv_select_index_events_total", &["status=\"ok\""]),
             9
         );
+    }
+
+    #[test]
+    fn only_workers_without_an_applied_batch_are_probed_again() {
+        assert_eq!(without_seq_0(4, &[(2, 1), (0, 0), (3, 5)]), [0, 1]);
+        assert_eq!(
+            without_seq_0(2, &[(0, 1), (1, 1), (7, 1)]),
+            Vec::<u64>::new()
+        );
+        assert_eq!(without_seq_0(3, &[]), [0, 1, 2]);
     }
 
     #[test]

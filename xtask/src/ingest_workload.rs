@@ -309,7 +309,8 @@ fn empty_batch() -> Result<Vec<u8>> {
 
 /// The publisher process (`bench ingest --publish`): binds one PUB per worker, encodes the
 /// whole workload, prints one endpoint per line then `ready`, and obeys stdin: `probe`
-/// sends seq 0 on every socket (answered `ok`), `go` streams every batch, round-robin over
+/// sends seq 0 on every socket, `probe ID...` on those workers' only (both answered `ok`),
+/// `go` streams every batch, round-robin over
 /// the workers, and answers `done <seconds>`. It exits when stdin closes: a PUB with linger
 /// 0 would drop whatever the server has not read yet.
 ///
@@ -351,9 +352,21 @@ pub(crate) fn publish(w: &Workload) -> Result<()> {
     let empty = empty_batch()?;
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
-        match line?.trim() {
+        let line = line?;
+        match line.trim() {
             "probe" => {
                 for s in &sockets {
+                    s.send_multipart([&b""[..], &0u64.to_be_bytes()[..], &empty[..]], 0)?;
+                }
+                writeln!(stdout, "ok")?;
+            }
+            some if some.starts_with("probe ") => {
+                for id in some.split_ascii_whitespace().skip(1) {
+                    let s = id
+                        .parse::<usize>()
+                        .ok()
+                        .and_then(|i| sockets.get(i))
+                        .with_context(|| format!("publisher: no worker {id:?} to probe"))?;
                     s.send_multipart([&b""[..], &0u64.to_be_bytes()[..], &empty[..]], 0)?;
                 }
                 writeln!(stdout, "ok")?;
