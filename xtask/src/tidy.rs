@@ -54,24 +54,30 @@ fn allowed_edges() -> BTreeMap<&'static str, &'static [&'static str]> {
 /// Crates that may depend on anything (dev tooling, not shipped).
 const UNRESTRICTED: &[&str] = &["benches", "xtask", "examples", "custom-scorer"];
 
-fn metadata() -> Value {
+/// The standard output of `cargo ARGS` in the workspace root; fails the test if cargo does.
+fn cargo_stdout(args: &[&str]) -> Vec<u8> {
     let out = Command::new("cargo")
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--no-deps",
-            "--offline",
-        ])
+        .args(args)
         .current_dir(root())
         .output()
-        .expect("cargo metadata runs");
+        .expect("cargo runs");
     assert!(
         out.status.success(),
-        "cargo metadata: {}",
+        "cargo {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON")
+    out.stdout
+}
+
+fn metadata() -> Value {
+    let out = cargo_stdout(&[
+        "metadata",
+        "--format-version",
+        "1",
+        "--no-deps",
+        "--offline",
+    ]);
+    serde_json::from_slice(&out).expect("cargo metadata prints JSON")
 }
 
 struct Package {
@@ -216,25 +222,16 @@ fn every_workspace_dependency_is_used() {
 /// `package|features` of every package `cargo tree` resolves for `args` (the host
 /// platform's graph), deduplicated.
 fn resolved_features(args: &[&str]) -> BTreeSet<String> {
-    let out = Command::new("cargo")
-        .args([
-            "tree",
-            "--offline",
-            "--prefix",
-            "none",
-            "--format",
-            "{p}|{f}",
-        ])
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("cargo tree runs");
-    assert!(
-        out.status.success(),
-        "cargo tree {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
+    let tree = [
+        "tree",
+        "--offline",
+        "--prefix",
+        "none",
+        "--format",
+        "{p}|{f}",
+    ];
+    let out = cargo_stdout(&[&tree[..], args].concat());
+    String::from_utf8_lossy(&out)
         .lines()
         .map(|l| l.trim_end_matches(" (*)").to_owned())
         .collect()
