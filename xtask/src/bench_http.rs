@@ -773,10 +773,33 @@ fn process_minor_faults(pid: u32) -> Option<u64> {
     Some(minflt)
 }
 
+/// CPU time (user + system) of each thread of process `pid` so far: its thread id, its
+/// name and the time (Linux only; empty elsewhere).
+pub(crate) fn thread_cpu_times(pid: u32) -> Vec<(u32, String, Duration)> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|task| {
+            let task = task.ok()?;
+            let tid: u32 = task.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+            let name = stat.get(stat.find('(')? + 1..stat.rfind(')')?)?.to_owned();
+            let [utime, stime] = parse_stat_fields(&stat, 14)?;
+            Some((tid, name, Duration::from_millis((utime + stime) * 10)))
+        })
+        .collect()
+}
+
 /// `N` numeric fields of `/proc/<pid>/stat` from field number `first` (1-based, as
 /// proc(5) numbers them; `first` > 2).
 fn stat_fields<const N: usize>(pid: u32, first: usize) -> Option<[u64; N]> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat_fields(&stat, first)
+}
+
+/// `N` numeric fields of a proc(5) `stat` line from field number `first` (> 2).
+fn parse_stat_fields<const N: usize>(stat: &str, first: usize) -> Option<[u64; N]> {
     // The command name (field 2) may contain spaces; the fields after it are plain.
     let rest = stat.get(stat.rfind(')')? + 2..)?;
     let mut fields = rest.split_ascii_whitespace().skip(first.checked_sub(3)?);

@@ -26,7 +26,7 @@ use clap::Parser;
 use http::{Method, StatusCode};
 use serde_json::json;
 
-use crate::bench_http::{PerfRecorder, ServerProcess, call, connect, send};
+use crate::bench_http::{PerfRecorder, ServerProcess, call, connect, send, thread_cpu_times};
 use crate::bench_wrk::median;
 use crate::flood::{gauge, metrics, proc_status, register_with_capacity};
 use crate::ingest_workload::{
@@ -331,6 +331,9 @@ struct Run {
     server_cpu: Option<Duration>,
     /// The server's minor page faults over the same span.
     server_faults: Option<u64>,
+    /// The server's busiest threads over the same span, by name (threads of one name
+    /// summed), in cores: which one limits the rate.
+    busiest: Vec<(String, f64)>,
     /// `/select` latencies during the stream.
     selects: Selects,
     registration: Duration,
@@ -470,7 +473,7 @@ impl Run {
 
     fn summary(&self) -> String {
         format!(
-            "{:.2} M blocks/s{}, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests)",
+            "{:.2} M blocks/s{}, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests){}",
             self.rate() / 1e6,
             self.ceiling.map_or_else(String::new, |_| format!(
                 " ({:.3} of the null sink)",
@@ -480,7 +483,17 @@ impl Run {
                 .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.3}")),
             us(self.percentile(50.0)),
             us(self.percentile(99.0)),
-            self.selects.observed.len()
+            self.selects.observed.len(),
+            if self.busiest.is_empty() {
+                String::new()
+            } else {
+                let threads: Vec<String> = self
+                    .busiest
+                    .iter()
+                    .map(|(name, cores)| format!("{name} {cores:.2}"))
+                    .collect();
+                format!("; server threads in cores: {}", threads.join(", "))
+            }
         )
     }
 }
@@ -539,6 +552,30 @@ fn per_worker(text: &str, name: &str) -> Vec<(u64, u64)> {
             Some((id, v as u64))
         })
         .collect()
+}
+
+/// Threads that took more than a twentieth of a core between two `thread_cpu_times`
+/// snapshots `span` apart, by name (summed), busiest first, in cores.
+fn busiest_threads(
+    before: &[(u32, String, Duration)],
+    after: &[(u32, String, Duration)],
+    span: Duration,
+) -> Vec<(String, f64)> {
+    let mut by_name: Vec<(String, f64)> = Vec::new();
+    for (tid, name, cpu) in after {
+        let was = before
+            .iter()
+            .find(|(t, n, _)| t == tid && n == name)
+            .map_or(Duration::ZERO, |b| b.2);
+        let cores = cpu.saturating_sub(was).as_secs_f64() / span.as_secs_f64().max(1e-9);
+        match by_name.iter_mut().find(|(n, _)| n == name) {
+            Some(entry) => entry.1 += cores,
+            None => by_name.push((name.clone(), cores)),
+        }
+    }
+    by_name.retain(|(_, cores)| *cores > 0.05);
+    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    by_name
 }
 
 /// Workers `0..workers` with no applied batch in `applied` (`per_worker`'s pairs).
@@ -616,6 +653,7 @@ async fn drive(
     let in_service_before = Buckets::scrape(&metrics(&mut conn).await?);
     let cpu_before = server.cpu_time();
     let faults_before = server.minor_faults();
+    let threads_before = thread_cpu_times(server.pid());
     let recorder = perf
         .map(|out| PerfRecorder::start(server.pid(), out, perf_seconds))
         .transpose()?;
@@ -646,6 +684,7 @@ async fn drive(
     let applied_in = go.elapsed();
     let server_cpu = cpu_before.and_then(|b| Some(server.cpu_time()? - b));
     let server_faults = faults_before.and_then(|b| Some(server.minor_faults()?.saturating_sub(b)));
+    let busiest = busiest_threads(&threads_before, &thread_cpu_times(server.pid()), applied_in);
     let selects = selects.finish().await?;
     let in_service = Buckets::scrape(&metrics(&mut conn).await?).since(&in_service_before);
     if let Some(r) = recorder {
@@ -685,6 +724,7 @@ async fn drive(
         published_in,
         server_cpu,
         server_faults,
+        busiest,
         selects,
         registration,
         threads: peak_threads,
@@ -1105,6 +1145,34 @@ mod tests {
         assert_eq!(
             labelled(text, "kv_select_index_events_total", &["status=\"ok\""]),
             9
+        );
+    }
+
+    #[test]
+    fn threads_are_summed_by_name_in_cores_and_idle_ones_left_out() {
+        let ms = Duration::from_millis;
+        let before = [
+            (1, "writer".to_owned(), ms(500)),
+            (2, "listener".to_owned(), ms(100)),
+            (3, "listener".to_owned(), ms(0)),
+            (4, "http".to_owned(), ms(10)),
+        ];
+        let after = [
+            (1, "writer".to_owned(), ms(2_400)),
+            (2, "listener".to_owned(), ms(300)),
+            (3, "listener".to_owned(), ms(400)),
+            (4, "http".to_owned(), ms(20)),
+            // Started during the span: all of its time counts.
+            (5, "pool".to_owned(), ms(200)),
+        ];
+        let busiest = busiest_threads(&before, &after, Duration::from_secs(2));
+        let rounded: Vec<(&str, f64)> = busiest
+            .iter()
+            .map(|(n, c)| (n.as_str(), (c * 1000.0).round() / 1000.0))
+            .collect();
+        assert_eq!(
+            rounded,
+            [("writer", 0.95), ("listener", 0.3), ("pool", 0.1)]
         );
     }
 
