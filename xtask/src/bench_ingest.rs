@@ -97,6 +97,11 @@ struct Args {
     /// running, so each run's lookup waits can be read against the machine's own stalls.
     #[arg(long, default_value_t = 300)]
     stall_probe_ms: u64,
+    /// MiB of fresh memory the page probe writes a byte per page of before every run (0:
+    /// none): the machine's price of a fresh page just then, which a growing index pays
+    /// for every page it grows by, and which moves between minutes on a virtual machine.
+    #[arg(long, default_value_t = 64)]
+    page_probe_mib: usize,
     /// Skip the null sink: by default every round first streams the workload to ZMQ
     /// subscribers that only count (`ingest_ceiling.rs`), and each rate is also given over
     /// that ceiling of the same round, which compares across windows and machines.
@@ -178,6 +183,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         for build in round_order(round, &test, baseline.as_ref()) {
             let stalls = (args.stall_probe_ms > 0)
                 .then(|| crate::stall_probe::probe(Duration::from_millis(args.stall_probe_ms)));
+            let page_us = crate::page_probe::probe(args.page_probe_mib);
             // The profile is of the build under test.
             let perf = args
                 .perf
@@ -192,6 +198,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
                 args.perf_seconds,
             )?;
             run.stalls = stalls;
+            run.page_us = page_us;
             run.ceiling = ceiling_rate;
             eprintln!(
                 "xtask bench ingest: round {} ({}): {}",
@@ -357,6 +364,8 @@ struct Run {
     drains_over_50us: u64,
     /// The machine's own stalls, probed just before the run.
     stalls: Option<crate::stall_probe::Stalls>,
+    /// Microseconds per fresh page of memory, probed just before the run (`page_probe.rs`).
+    page_us: Option<f64>,
     /// Blocks/s of the round's null sink (`ingest_ceiling.rs`).
     ceiling: Option<f64>,
     /// The same selections as the service timed them (`kv_select_selection_duration_seconds`
@@ -473,7 +482,7 @@ impl Run {
 
     fn summary(&self) -> String {
         format!(
-            "{:.2} M blocks/s{}, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests){}",
+            "{:.2} M blocks/s{}, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests){}{}",
             self.rate() / 1e6,
             self.ceiling.map_or_else(String::new, |_| format!(
                 " ({:.3} of the null sink)",
@@ -484,6 +493,9 @@ impl Run {
             us(self.percentile(50.0)),
             us(self.percentile(99.0)),
             self.selects.observed.len(),
+            self.page_us.map_or_else(String::new, |us| format!(
+                "; fresh pages before the run: {us:.2} µs each"
+            )),
             if self.busiest.is_empty() {
                 String::new()
             } else {
@@ -716,6 +728,7 @@ async fn drive(
         step_asides: gauge(&text, "kv_select_index_writer_step_asides_total"),
         drains_over_50us: gauge(&text, "kv_select_index_writer_drain_waits_over_50us_total"),
         stalls: None,
+        page_us: None,
         ceiling: None,
         lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
         in_service,
@@ -1016,7 +1029,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         w.shared * 100.0
     );
     println!(
-        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  faults/k blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s"
+        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  faults/k blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s  page (µs)"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, (label, r)) in runs.iter().enumerate() {
@@ -1028,7 +1041,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             round.to_string()
         };
         println!(
-            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}  {:>9}",
             name,
             r.rate() / 1e6,
             r.ceiling.map_or(f64::NAN, |c| c / 1e6),
@@ -1058,6 +1071,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
                 "{:.0}",
                 s.over_50us_per_core_second()
             )),
+            r.page_us.map_or_else(String::new, |us| format!("{us:.2}")),
         );
     }
     let labels: &[&str] = if compared {

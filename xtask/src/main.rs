@@ -39,6 +39,7 @@ mod ingest_ceiling;
 mod ingest_workload;
 mod instructions;
 mod loom;
+mod page_probe;
 mod python;
 mod replay;
 mod stall_probe;
