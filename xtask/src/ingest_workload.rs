@@ -354,19 +354,21 @@ pub(crate) fn publish(w: &Workload) -> Result<()> {
     for line in stdin.lock().lines() {
         let line = line?;
         match line.trim() {
-            "probe" => {
-                for s in &sockets {
-                    s.send_multipart([&b""[..], &0u64.to_be_bytes()[..], &empty[..]], 0)?;
-                }
-                writeln!(stdout, "ok")?;
-            }
-            some if some.starts_with("probe ") => {
-                for id in some.split_ascii_whitespace().skip(1) {
-                    let s = id
-                        .parse::<usize>()
-                        .ok()
-                        .and_then(|i| sockets.get(i))
-                        .with_context(|| format!("publisher: no worker {id:?} to probe"))?;
+            probe if probe == "probe" || probe.starts_with("probe ") => {
+                let ids: Vec<&str> = probe.split_ascii_whitespace().skip(1).collect();
+                let targets: Vec<&zmq::Socket> = if ids.is_empty() {
+                    sockets.iter().collect()
+                } else {
+                    ids.iter()
+                        .map(|id| {
+                            id.parse::<usize>()
+                                .ok()
+                                .and_then(|i| sockets.get(i))
+                                .with_context(|| format!("publisher: no worker {id:?} to probe"))
+                        })
+                        .collect::<Result<_>>()?
+                };
+                for s in targets {
                     s.send_multipart([&b""[..], &0u64.to_be_bytes()[..], &empty[..]], 0)?;
                 }
                 writeln!(stdout, "ok")?;
