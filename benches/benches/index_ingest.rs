@@ -26,6 +26,9 @@ const EVENTS: u64 = 32;
 const BLOCKS: u64 = 8;
 const PREFIXES: u64 = 4;
 const PREFIX_BLOCKS: u64 = 8;
+/// `total_kv_blocks` of every worker in `cell_two_copies_capacity`: `bench ingest`'s
+/// default, four times what a worker stores.
+const DECLARED_CAPACITY: u32 = 1_000_000;
 
 /// splitmix64's finalizer: a local hash for an engine hash.
 fn mix(mut z: u64) -> u64 {
@@ -155,6 +158,28 @@ fn index_ingest(c: &mut Criterion) {
             );
         });
     }
+    // Every worker declares a capacity it never reaches (`total_kv_blocks`, as `bench
+    // ingest` registers them): the gain order the capacity bound keeps on top.
+    group.bench_function("cell_two_copies_capacity", |b| {
+        b.iter_batched(
+            || {
+                IndexCell::new(IndexCopies::Two, None, || {
+                    let mut index = KvIndex::with_block_size(16);
+                    for w in 0..WORKERS {
+                        index.set_capacity(WorkerKey::new(w, 0), Some(DECLARED_CAPACITY));
+                    }
+                    index
+                })
+            },
+            |cell| {
+                for batch in &batches {
+                    cell.apply_batch(batch);
+                }
+                cell
+            },
+            BatchSize::PerIteration,
+        );
+    });
     group.finish();
 }
 
