@@ -773,9 +773,20 @@ fn process_minor_faults(pid: u32) -> Option<u64> {
     Some(minflt)
 }
 
-/// CPU time (user + system) of each thread of process `pid` so far: its thread id, its
-/// name and the time (Linux only; empty elsewhere).
-pub(crate) fn thread_cpu_times(pid: u32) -> Vec<(u32, String, Duration)> {
+/// One thread of a process at one moment: what it has run and waited for so far.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ThreadTimes {
+    pub(crate) tid: u32,
+    pub(crate) name: String,
+    /// User + system CPU time.
+    pub(crate) cpu: Duration,
+    /// Time it was runnable but waited for a core (`schedstat`'s second field; `None`
+    /// where the kernel keeps no scheduler statistics).
+    pub(crate) waited: Option<Duration>,
+}
+
+/// [`ThreadTimes`] of each thread of process `pid` so far (Linux only; empty elsewhere).
+pub(crate) fn thread_cpu_times(pid: u32) -> Vec<ThreadTimes> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
     };
@@ -786,7 +797,16 @@ pub(crate) fn thread_cpu_times(pid: u32) -> Vec<(u32, String, Duration)> {
             let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
             let name = stat.get(stat.find('(')? + 1..stat.rfind(')')?)?.to_owned();
             let [utime, stime] = parse_stat_fields(&stat, 14)?;
-            Some((tid, name, Duration::from_millis((utime + stime) * 10)))
+            let waited = std::fs::read_to_string(task.path().join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_ascii_whitespace().nth(1)?.parse().ok())
+                .map(Duration::from_nanos);
+            Some(ThreadTimes {
+                tid,
+                name,
+                cpu: Duration::from_millis((utime + stime) * 10),
+                waited,
+            })
         })
         .collect()
 }

@@ -26,7 +26,9 @@ use clap::Parser;
 use http::{Method, StatusCode};
 use serde_json::json;
 
-use crate::bench_http::{PerfRecorder, ServerProcess, call, connect, send, thread_cpu_times};
+use crate::bench_http::{
+    PerfRecorder, ServerProcess, ThreadTimes, call, connect, send, thread_cpu_times,
+};
 use crate::bench_wrk::median;
 use crate::flood::{gauge, metrics, proc_status, register_with_capacity};
 use crate::ingest_workload::{
@@ -339,8 +341,8 @@ struct Run {
     /// The server's minor page faults over the same span.
     server_faults: Option<u64>,
     /// The server's busiest threads over the same span, by name (threads of one name
-    /// summed), in cores: which one limits the rate.
-    busiest: Vec<(String, f64)>,
+    /// summed): which one limits the rate, and whether it waited for a core.
+    busiest: Vec<BusyThread>,
     /// `/select` latencies during the stream.
     selects: Selects,
     registration: Duration,
@@ -499,12 +501,11 @@ impl Run {
             if self.busiest.is_empty() {
                 String::new()
             } else {
-                let threads: Vec<String> = self
-                    .busiest
-                    .iter()
-                    .map(|(name, cores)| format!("{name} {cores:.2}"))
-                    .collect();
-                format!("; server threads in cores: {}", threads.join(", "))
+                let threads: Vec<String> = self.busiest.iter().map(BusyThread::describe).collect();
+                format!(
+                    "; server threads in cores (waiting for one): {}",
+                    threads.join(", ")
+                )
             }
         )
     }
@@ -566,27 +567,60 @@ fn per_worker(text: &str, name: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// Threads that took more than a twentieth of a core between two `thread_cpu_times`
-/// snapshots `span` apart, by name (summed), busiest first, in cores.
-fn busiest_threads(
-    before: &[(u32, String, Duration)],
-    after: &[(u32, String, Duration)],
-    span: Duration,
-) -> Vec<(String, f64)> {
-    let mut by_name: Vec<(String, f64)> = Vec::new();
-    for (tid, name, cpu) in after {
-        let was = before
-            .iter()
-            .find(|(t, n, _)| t == tid && n == name)
-            .map_or(Duration::ZERO, |b| b.2);
-        let cores = cpu.saturating_sub(was).as_secs_f64() / span.as_secs_f64().max(1e-9);
-        match by_name.iter_mut().find(|(n, _)| n == name) {
-            Some(entry) => entry.1 += cores,
-            None => by_name.push((name.clone(), cores)),
+/// The CPU a server thread (or the threads of one name) took over a run, in cores, and
+/// how long it was runnable but waited for a core, in the same unit: a thread that limits
+/// the rate and never waits is limited by its own work, one that waits by the machine.
+#[derive(Clone, Debug, PartialEq)]
+struct BusyThread {
+    name: String,
+    cores: f64,
+    /// `None` where the kernel keeps no scheduler statistics.
+    waiting: Option<f64>,
+}
+
+impl BusyThread {
+    fn describe(&self) -> String {
+        match self.waiting {
+            Some(w) => format!("{} {:.2} ({w:.2})", self.name, self.cores),
+            None => format!("{} {:.2}", self.name, self.cores),
         }
     }
-    by_name.retain(|(_, cores)| *cores > 0.05);
-    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+}
+
+/// Threads that took more than a twentieth of a core between two `thread_cpu_times`
+/// snapshots `span` apart, by name (summed), busiest first.
+fn busiest_threads(
+    before: &[ThreadTimes],
+    after: &[ThreadTimes],
+    span: Duration,
+) -> Vec<BusyThread> {
+    let per_span = |d: Duration| d.as_secs_f64() / span.as_secs_f64().max(1e-9);
+    let mut by_name: Vec<BusyThread> = Vec::new();
+    for now in after {
+        let was = before
+            .iter()
+            .find(|b| b.tid == now.tid && b.name == now.name);
+        let cores = per_span(
+            now.cpu
+                .saturating_sub(was.map_or(Duration::ZERO, |b| b.cpu)),
+        );
+        let waiting = now.waited.map(|w| {
+            per_span(w.saturating_sub(was.and_then(|b| b.waited).unwrap_or(Duration::ZERO)))
+        });
+        match by_name.iter_mut().find(|t| t.name == now.name) {
+            Some(entry) => {
+                entry.cores += cores;
+                entry.waiting = entry.waiting.zip(waiting).map(|(a, b)| a + b);
+            }
+            None => by_name.push(BusyThread {
+                name: now.name.clone(),
+                cores,
+                waiting,
+            }),
+        }
+    }
+    by_name.retain(|t| t.cores > 0.05);
+    by_name.sort_by(|a, b| b.cores.total_cmp(&a.cores));
     by_name
 }
 
@@ -1188,29 +1222,42 @@ mod tests {
     #[test]
     fn threads_are_summed_by_name_in_cores_and_idle_ones_left_out() {
         let ms = Duration::from_millis;
+        let t = |tid, name: &str, cpu, waited: Option<u64>| ThreadTimes {
+            tid,
+            name: name.to_owned(),
+            cpu: ms(cpu),
+            waited: waited.map(ms),
+        };
         let before = [
-            (1, "writer".to_owned(), ms(500)),
-            (2, "listener".to_owned(), ms(100)),
-            (3, "listener".to_owned(), ms(0)),
-            (4, "http".to_owned(), ms(10)),
+            t(1, "writer", 500, Some(40)),
+            t(2, "listener", 100, Some(0)),
+            t(3, "listener", 0, Some(100)),
+            t(4, "http", 10, Some(0)),
         ];
         let after = [
-            (1, "writer".to_owned(), ms(2_400)),
-            (2, "listener".to_owned(), ms(300)),
-            (3, "listener".to_owned(), ms(400)),
-            (4, "http".to_owned(), ms(20)),
+            t(1, "writer", 2_400, Some(140)),
+            t(2, "listener", 300, Some(200)),
+            t(3, "listener", 400, Some(300)),
+            t(4, "http", 20, Some(0)),
             // Started during the span: all of its time counts.
-            (5, "pool".to_owned(), ms(200)),
+            t(5, "pool", 200, None),
         ];
         let busiest = busiest_threads(&before, &after, Duration::from_secs(2));
-        let rounded: Vec<(&str, f64)> = busiest
+        let round = |x: f64| (x * 1000.0).round() / 1000.0;
+        let rounded: Vec<(&str, f64, Option<f64>)> = busiest
             .iter()
-            .map(|(n, c)| (n.as_str(), (c * 1000.0).round() / 1000.0))
+            .map(|b| (b.name.as_str(), round(b.cores), b.waiting.map(round)))
             .collect();
         assert_eq!(
             rounded,
-            [("writer", 0.95), ("listener", 0.3), ("pool", 0.1)]
+            [
+                ("writer", 0.95, Some(0.05)),
+                ("listener", 0.3, Some(0.2)),
+                ("pool", 0.1, None),
+            ]
         );
+        assert_eq!(busiest[0].describe(), "writer 0.95 (0.05)");
+        assert_eq!(busiest[2].describe(), "pool 0.10");
     }
 
     #[cfg(target_os = "linux")]
