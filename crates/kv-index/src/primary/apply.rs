@@ -102,7 +102,13 @@ impl PrefixIndex {
             let (nodes, log) = (&self.nodes, &mut self.own_log);
             let previous = self.workers[slot as usize].as_mut().and_then(|state| {
                 if gain && let Some(cap) = &mut state.cap {
-                    cap.gained(child, nodes[child as usize].tag(), cur);
+                    // A new node's tag is its block's: not read back from the node.
+                    let tag = if child_new {
+                        block.block_hash.0 as u32
+                    } else {
+                        nodes[child as usize].tag()
+                    };
+                    cap.gained(child, tag, cur);
                 }
                 if child_new {
                     // A new node's `external` is this block's hash.
@@ -113,7 +119,10 @@ impl PrefixIndex {
             });
             if previous != Some(child) {
                 changed = true;
-                self.nodes[child as usize].refs += 1;
+                if !child_new {
+                    // A new node counts this entry already (`alloc_node`).
+                    self.nodes[child as usize].refs += 1;
+                }
                 if let Some(old) = previous {
                     self.nodes[old as usize].refs -= 1;
                     self.prune(old);

@@ -188,7 +188,8 @@ impl PrefixIndex {
         }
     }
 
-    /// A new leaf under `parent`, owned by `slot` alone.
+    /// A new leaf under `parent`, owned by `slot` alone, and with one map entry pointing
+    /// at it (`refs` 1): the caller's, which maps the block's own hash to it next.
     ///
     /// `parent_new` says that `parent` is itself a leaf the current apply call created for
     /// `slot` (owned by it alone, no children): the new node is then its first child, with
@@ -206,6 +207,7 @@ impl PrefixIndex {
     ) -> u32 {
         let mut node = Node::new(parent, local, external);
         node.owners.insert(slot);
+        node.refs = 1;
         let id = match self.free_nodes.pop() {
             Some(id) => {
                 self.nodes[id as usize] = node;
