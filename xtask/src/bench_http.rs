@@ -799,7 +799,7 @@ pub(crate) fn thread_cpu_times(pid: u32) -> Vec<ThreadTimes> {
             let [utime, stime] = parse_stat_fields(&stat, 14)?;
             let waited = std::fs::read_to_string(task.path().join("schedstat"))
                 .ok()
-                .and_then(|s| s.split_ascii_whitespace().nth(1)?.parse().ok())
+                .and_then(|s| schedstat_field(&s, 1))
                 .map(Duration::from_nanos);
             Some(ThreadTimes {
                 tid,
@@ -809,6 +809,12 @@ pub(crate) fn thread_cpu_times(pid: u32) -> Vec<ThreadTimes> {
             })
         })
         .collect()
+}
+
+/// Field `i` of a `schedstat` file's text (0: nanoseconds on a core, 1: nanoseconds
+/// runnable but waiting for one, 2: time slices).
+pub(crate) fn schedstat_field(text: &str, i: usize) -> Option<u64> {
+    text.split_ascii_whitespace().nth(i)?.parse().ok()
 }
 
 /// `N` numeric fields of `/proc/<pid>/stat` from field number `first` (1-based, as

@@ -27,7 +27,8 @@ use http::{Method, StatusCode};
 use serde_json::json;
 
 use crate::bench_http::{
-    PerfRecorder, ServerProcess, ThreadTimes, call, connect, send, thread_cpu_times,
+    PerfRecorder, ServerProcess, ThreadTimes, call, connect, schedstat_field, send,
+    thread_cpu_times,
 };
 use crate::bench_wrk::median;
 use crate::flood::{gauge, metrics, proc_status, register_with_capacity};
@@ -952,12 +953,7 @@ impl RunQueueWait {
         use std::os::unix::fs::FileExt;
         let mut buf = [0u8; 128];
         let n = self.0.as_ref()?.read_at(&mut buf, 0).ok()?;
-        std::str::from_utf8(buf.get(..n)?)
-            .ok()?
-            .split_whitespace()
-            .nth(i)?
-            .parse()
-            .ok()
+        schedstat_field(std::str::from_utf8(buf.get(..n)?).ok()?, i)
     }
 }
 
