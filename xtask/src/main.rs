@@ -95,8 +95,16 @@ fn run() -> Result<()> {
 /// machine ran out of space). Locally a change costs a full rebuild of the crates it touches.
 const NOT_INCREMENTAL: (&str, &str) = ("CARGO_INCREMENTAL", "0");
 
+/// Tests per test binary at once: most of the integration tests wait on sockets, child
+/// processes and timeouts rather than compute, so on a 2-core machine the default of one
+/// test per core leaves the cores idle, and the binaries run one after another.
+const TEST_THREADS: (&str, &str) = ("RUST_TEST_THREADS", "6");
+
 fn ci() -> Result<()> {
     let started = std::time::Instant::now();
+    // The Python checks' venv is made while cargo builds: it needs no build output, and
+    // pip's downloads and unpacking would otherwise add their time to the run's.
+    let venv = std::thread::spawn(|| python::ci_venv(&root()));
     cargo(&["fmt", "--all", "--check"], &[])?;
     cargo(
         &[
@@ -110,14 +118,20 @@ fn ci() -> Result<()> {
         ],
         &[NOT_INCREMENTAL],
     )?;
-    cargo(&["test", "--workspace", "--locked"], &[NOT_INCREMENTAL])?;
+    cargo(
+        &["test", "--workspace", "--locked"],
+        &[NOT_INCREMENTAL, TEST_THREADS],
+    )?;
     cargo(
         &["doc", "--workspace", "--no-deps", "--locked"],
         &[("RUSTDOCFLAGS", "-D warnings"), NOT_INCREMENTAL],
     )?;
     // After the tests: `cargo test --workspace` built the debug select-server these run against.
     bench_ingest::smoke(&root())?;
-    python::ci(&root())?;
+    let python = venv
+        .join()
+        .map_err(|_| anyhow::anyhow!("making the Python venv panicked"))??;
+    python::checks(&root(), &python)?;
     eprintln!("xtask ci: all checks passed in {:.0?}", started.elapsed());
     Ok(())
 }

@@ -43,6 +43,18 @@ const PYTEST_LIMIT: Duration = Duration::from_secs(300);
 const RAY_LIMIT: Duration = Duration::from_secs(300);
 
 pub(crate) fn ci(root: &Path) -> Result<()> {
+    let python = ci_venv(root)?;
+    checks(root, &python)
+}
+
+/// The interpreter of the checks' venv, which is made or reused as its stamp says. It needs
+/// only python3 and the requirement files, so `cargo xtask ci` makes it while cargo builds.
+pub(crate) fn ci_venv(root: &Path) -> Result<PathBuf> {
+    venv(root, &root.join("target").join("python-ci").join("venv"))
+}
+
+/// The checks themselves, with the venv's interpreter `python`.
+pub(crate) fn checks(root: &Path, python: &Path) -> Result<()> {
     let started = Instant::now();
     // The workspace's own target dir, as the other tasks use (CI sets no CARGO_TARGET_DIR).
     let target = root.join("target");
@@ -55,10 +67,9 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
         );
     }
     let work = target.join("python-ci");
-    let python = venv(root, &work.join("venv"))?;
     step(
         "install kv_select",
-        Command::new(&python)
+        Command::new(python)
             .args(PIP_INSTALL)
             .args(["--no-deps", "--no-build-isolation", "--force-reinstall"])
             .arg(root.join("clients/python")),
@@ -66,7 +77,7 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
     )?;
     step(
         "mypy --strict",
-        python_command(&python)
+        python_command(python)
             .args(["-m", "mypy", "--config-file"])
             .arg(root.join("clients/python/pyproject.toml"))
             .arg("--cache-dir")
@@ -82,7 +93,7 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
     )?;
     step(
         "pytest clients/python",
-        python_command(&python)
+        python_command(python)
             .args(["-m", "pytest", "-q"])
             .env("KV_SELECT_SERVER", &server)
             .current_dir(root.join("clients/python")),
@@ -90,7 +101,7 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
     )?;
     step(
         "pytest examples/ray-select-then-reserve",
-        python_command(&python)
+        python_command(python)
             .args([
                 "-m",
                 "pytest",
@@ -105,7 +116,7 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
     )?;
     step(
         "Ray select-then-reserve example",
-        python_command(&python)
+        python_command(python)
             .arg("driver.py")
             .arg("--server-binary")
             .arg(&server)

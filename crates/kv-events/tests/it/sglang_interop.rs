@@ -32,7 +32,9 @@ fn venv() -> (PathBuf, PathBuf) {
     let ready = dir.join(".installed-sglang-0.5.23");
     if !ready.exists() {
         testkit::run(
-            Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps", SGLANG]),
+            Command::new(&python)
+                .args(testkit::PIP_INSTALL)
+                .args(["--no-deps", SGLANG]),
             "pip install --no-deps sglang==0.5.23",
         );
         std::fs::write(&ready, b"ok").expect("marker file");
