@@ -1,7 +1,8 @@
 //! `cargo xtask`: the one entry point for developer automation.
 //!
-//! - `ci`: everything CI checks, in order: fmt, clippy (`-D warnings`), tests, docs, then
-//!   the Python client and the Ray example against the debug server (`python.rs`).
+//! - `ci`: everything CI checks, in order: fmt, clippy (`-D warnings`), tests, then docs
+//!   beside the ingest bench's smoke test, the Python client and the Ray example against
+//!   the debug server (`python.rs`).
 //! - `python`: only those Python checks (the debug server must be built).
 //! - `bench [ARGS]`: `cargo bench -p benches` with the given arguments.
 //! - `bench http [--seconds N] [--connections a,b]`: load test of `POST /select` against the
@@ -122,16 +123,26 @@ fn ci() -> Result<()> {
         &["test", "--workspace", "--locked"],
         &[NOT_INCREMENTAL, TEST_THREADS],
     )?;
-    cargo(
-        &["doc", "--workspace", "--no-deps", "--locked"],
-        &[("RUSTDOCFLAGS", "-D warnings"), NOT_INCREMENTAL],
-    )?;
-    // After the tests: `cargo test --workspace` built the debug select-server these run against.
-    bench_ingest::smoke(&root())?;
-    let python = venv
+    // The docs build beside the checks below: those run the debug select-server that
+    // `cargo test --workspace` built, take no cargo lock, and mostly wait on processes, so
+    // rustdoc uses cores they leave idle.
+    let doc = std::thread::spawn(|| {
+        cargo(
+            &["doc", "--workspace", "--no-deps", "--locked"],
+            &[("RUSTDOCFLAGS", "-D warnings"), NOT_INCREMENTAL],
+        )
+    });
+    let checks = bench_ingest::smoke(&root()).and_then(|()| {
+        let python = venv
+            .join()
+            .map_err(|_| anyhow::anyhow!("making the Python venv panicked"))??;
+        python::checks(&root(), &python)
+    });
+    let doc = doc
         .join()
-        .map_err(|_| anyhow::anyhow!("making the Python venv panicked"))??;
-    python::checks(&root(), &python)?;
+        .map_err(|_| anyhow::anyhow!("the docs build panicked"))?;
+    checks?;
+    doc?;
     eprintln!("xtask ci: all checks passed in {:.0?}", started.elapsed());
     Ok(())
 }
