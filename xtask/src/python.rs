@@ -50,15 +50,19 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
 /// The interpreter of the checks' venv, which is made or reused as its stamp says. It needs
 /// only python3 and the requirement files, so `cargo xtask ci` makes it while cargo builds.
 pub(crate) fn ci_venv(root: &Path) -> Result<PathBuf> {
-    venv(root, &root.join("target").join("python-ci").join("venv"))
+    venv(root, &work_dir(root).join("venv"))
+}
+
+/// Where the checks keep their venv and caches: the workspace's own target dir, as the
+/// other tasks use (CI sets no CARGO_TARGET_DIR).
+fn work_dir(root: &Path) -> PathBuf {
+    root.join("target").join("python-ci")
 }
 
 /// The checks themselves, with the venv's interpreter `python`.
 pub(crate) fn checks(root: &Path, python: &Path) -> Result<()> {
     let started = Instant::now();
-    // The workspace's own target dir, as the other tasks use (CI sets no CARGO_TARGET_DIR).
-    let target = root.join("target");
-    let server = target.join("debug").join("select-server");
+    let server = root.join("target").join("debug").join("select-server");
     if !server.is_file() {
         bail!(
             "{} is missing: `cargo test --workspace` builds it (before `cargo xtask python`, run \
@@ -66,7 +70,7 @@ pub(crate) fn checks(root: &Path, python: &Path) -> Result<()> {
             server.display()
         );
     }
-    let work = target.join("python-ci");
+    let work = work_dir(root);
     step(
         "install kv_select",
         Command::new(python)
