@@ -466,6 +466,13 @@ impl Run {
             .map(|c| c.as_secs_f64() * 1e6 / self.blocks as f64)
     }
 
+    /// The index writer thread's CPU per applied block, in µs; NaN without one (one copy).
+    /// Its inverse is the rate the writer would apply on a whole core: the serial stage's
+    /// own speed, apart from how much of a core it got.
+    fn writer_us_per_block(&self) -> f64 {
+        writer_us_per_block(&self.busiest, self.applied_in, self.blocks)
+    }
+
     /// The server's minor page faults per thousand blocks.
     fn faults_per_thousand(&self) -> f64 {
         self.server_faults
@@ -486,7 +493,7 @@ impl Run {
 
     fn summary(&self) -> String {
         format!(
-            "{:.2} M blocks/s{}, {} s CPU per M blocks, /select p50 {:.0} µs p99 {:.0} µs ({} requests){}{}",
+            "{:.2} M blocks/s{}, {} s CPU per M blocks{}, /select p50 {:.0} µs p99 {:.0} µs ({} requests){}{}",
             self.rate() / 1e6,
             self.ceiling.map_or_else(String::new, |_| format!(
                 " ({:.3} of the null sink)",
@@ -494,6 +501,13 @@ impl Run {
             )),
             self.cpu_per_million()
                 .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.3}")),
+            match self.writer_us_per_block() {
+                w if w.is_nan() => String::new(),
+                w => format!(
+                    " (the writer thread {w:.3} µs per block: {:.2} M blocks/s on a whole core)",
+                    1.0 / w
+                ),
+            },
             us(self.percentile(50.0)),
             us(self.percentile(99.0)),
             self.selects.observed.len(),
@@ -626,6 +640,17 @@ fn busiest_threads(
     by_name
 }
 
+/// The µs of CPU per block of the index writer thread among `busiest` (in cores over
+/// `span`, in which `blocks` were applied); NaN if it is not among them.
+fn writer_us_per_block(busiest: &[BusyThread], span: Duration, blocks: u64) -> f64 {
+    busiest
+        .iter()
+        .find(|t| t.name == WRITER_THREAD)
+        .map_or(f64::NAN, |t| {
+            t.cores * span.as_secs_f64() * 1e6 / blocks.max(1) as f64
+        })
+}
+
 /// Workers `0..workers` with no applied batch in `applied` (`per_worker`'s pairs).
 fn without_seq_0(workers: u64, applied: &[(u64, u64)]) -> Vec<u64> {
     let ready: std::collections::HashSet<u64> = applied
@@ -647,6 +672,9 @@ fn labelled(text: &str, name: &str, labels: &[&str]) -> u64 {
 }
 
 const APPLIED: &str = "kv_select_kv_batches_applied_total";
+
+/// The name the kernel shows for a partition's index writer thread (kv-index's cell.rs).
+const WRITER_THREAD: &str = "kv-index-writer";
 
 /// The shortest wait between two polls of the stream's end.
 const FINE_POLL: Duration = Duration::from_millis(1);
@@ -1079,7 +1107,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         w.shared * 100.0
     );
     println!(
-        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  faults/k blocks  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s  page (µs)"
+        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  faults/k blocks  writer µs/block  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s  page (µs)"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, (label, r)) in runs.iter().enumerate() {
@@ -1091,13 +1119,14 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             round.to_string()
         };
         println!(
-            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}  {:>9}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>15.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}  {:>9}",
             name,
             r.rate() / 1e6,
             r.ceiling.map_or(f64::NAN, |c| c / 1e6),
             r.over_ceiling(),
             cpu(r),
             r.faults_per_thousand(),
+            r.writer_us_per_block(),
             r.published_in.as_secs_f64(),
             us(r.percentile(50.0)),
             us(r.percentile(99.0)),
@@ -1141,7 +1170,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         }
         let m = Medians::of(&of);
         println!(
-            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>15.3}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
             if compared {
                 format!("median {label}")
             } else {
@@ -1152,6 +1181,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             m.over_ceiling,
             m.cpu,
             m.faults,
+            m.writer,
             "",
             m.p50,
             m.p99,
@@ -1168,11 +1198,12 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
     }
     if let [base, test] = medians.as_slice() {
         println!(
-            "test / base (medians): M blocks/s ×{:.3} (over the null sink ×{:.3}), CPU per M blocks ×{:.3}, page faults ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
+            "test / base (medians): M blocks/s ×{:.3} (over the null sink ×{:.3}), CPU per M blocks ×{:.3}, page faults ×{:.3}, writer CPU per block ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
             test.rate / base.rate,
             test.over_ceiling / base.over_ceiling,
             test.cpu / base.cpu,
             test.faults / base.faults,
+            test.writer / base.writer,
             test.p99 / base.p99,
             test.p99_less_client_waits / base.p99_less_client_waits,
             test.over_50us / base.over_50us,
@@ -1190,6 +1221,8 @@ struct Medians {
     cpu: f64,
     /// Server minor page faults per thousand blocks.
     faults: f64,
+    /// The index writer thread's µs of CPU per block.
+    writer: f64,
     p50: f64,
     p99: f64,
     p99_less_client_waits: f64,
@@ -1206,6 +1239,7 @@ impl Medians {
             over_ceiling: m(&|r| r.over_ceiling()),
             cpu: m(&|r| r.cpu_per_million().unwrap_or(f64::NAN)),
             faults: m(&|r| r.faults_per_thousand()),
+            writer: m(&|r| r.writer_us_per_block()),
             p50: m(&|r| us(r.percentile(50.0))),
             p99: m(&|r| us(r.percentile(99.0))),
             p99_less_client_waits: m(&|r| r.percentile_less_client_waits_us(99.0)),
@@ -1289,6 +1323,22 @@ mod tests {
         );
         assert_eq!(busiest[0].describe(), "writer 0.95 (0.05)");
         assert_eq!(busiest[2].describe(), "pool 0.10");
+    }
+
+    #[test]
+    fn the_writer_threads_cpu_is_given_per_block() {
+        let thread = |name: &str, cores| BusyThread {
+            name: name.to_owned(),
+            cores,
+            waiting: None,
+        };
+        let busiest = [thread("kv-events-0", 0.4), thread(WRITER_THREAD, 0.9)];
+        // 0.9 of a core for 1.2 s over 4 M blocks: 0.27 µs a block.
+        let per_block = writer_us_per_block(&busiest, Duration::from_millis(1200), 4_000_000);
+        assert!((per_block - 0.27).abs() < 1e-9, "{per_block}");
+        // One copy has no writer thread.
+        let listeners = [thread("kv-events-0", 0.9)];
+        assert!(writer_us_per_block(&listeners, Duration::from_secs(1), 1000).is_nan());
     }
 
     #[cfg(target_os = "linux")]
