@@ -9,13 +9,14 @@
 //! `/select` at a fixed interval, its latencies taken only during the stream.
 //!
 //! It reports applied blocks/s (from the `go` to the poll that sees the last batch applied;
-//! polls close in on the projected end, so that time is within about a millisecond),
-//! server CPU seconds per million blocks (`/proc/<pid>/stat` over the same span), the
+//! polls close in on the projected end, so that time is within a fiftieth of the poll
+//! interval: 1 ms up to 64 workers, 5 ms above), server CPU seconds per million blocks
+//! (`/proc/<pid>/stat` over the same span) and the index writer thread's per block, the
 //! `/select` percentiles, the fleet's registration time and the server's threads,
-//! descriptors and resident memory. It fails unless every listener applied every batch
-//! with nothing lost or dropped, the index holds exactly the expected blocks and
-//! memberships, and probes of sampled workers' chains through `/overlap_scores` find them
-//! whole.
+//! descriptors and resident memory. It fails
+//! unless every listener applied every batch with nothing lost or dropped, the index holds
+//! exactly the expected blocks and memberships, and probes of sampled workers' chains
+//! through `/overlap_scores` find them whole.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -676,21 +677,25 @@ const APPLIED: &str = "kv_select_kv_batches_applied_total";
 /// The name the kernel shows for a partition's index writer thread (kv-index's cell.rs).
 const WRITER_THREAD: &str = "kv-index-writer";
 
-/// The shortest wait between two polls of the stream's end.
+/// The shortest wait between two polls of the stream's end: a fiftieth of the coarse
+/// interval, at least this. A fleet's `/metrics` page is as long as its worker list, and
+/// back-to-back scrapes of it would take CPU from the stream they time.
 const FINE_POLL: Duration = Duration::from_millis(1);
 
 /// How long to wait for the next poll of the stream's end, given `applied` of `expected`
 /// batches seen applied `elapsed` after the `go`: half the time left at the rate so far,
-/// between [`FINE_POLL`] and `coarse`. The end is taken at the first poll that sees every
-/// batch applied, so a fixed `coarse` interval would add half of it on average to a
-/// stream of about a second (a 2 % lower rate at 50 ms); polls that close in on the
-/// projected end take it within about a millisecond, at a few more scrapes per run.
+/// between a fiftieth of `coarse` (at least [`FINE_POLL`]) and `coarse`. The end is taken
+/// at the first poll that sees every batch applied, so a fixed `coarse` interval would add
+/// half of it on average to a stream of about a second (a 2 % lower rate at 50 ms); polls
+/// that close in on the projected end take it within a fiftieth of that interval, at a few
+/// more scrapes per run.
 fn next_poll(elapsed: Duration, applied: u64, expected: u64, coarse: Duration) -> Duration {
     if applied == 0 || applied >= expected {
         return coarse;
     }
+    let fine = (coarse / 50).max(FINE_POLL).min(coarse);
     let left = elapsed.mul_f64((expected - applied) as f64 / applied as f64);
-    (left / 2).clamp(FINE_POLL, coarse)
+    (left / 2).clamp(fine, coarse)
 }
 
 async fn drive(
@@ -1266,6 +1271,9 @@ mod tests {
         assert_eq!(next_poll(ms(960), 960, 1000, coarse), ms(20));
         // The last batch due within a millisecond: the finest poll, never less.
         assert_eq!(next_poll(ms(1000), 999, 1000, coarse), FINE_POLL);
+        // A fleet's coarse 250 ms closes in to 5 ms at the finest.
+        assert_eq!(next_poll(ms(1000), 999, 1000, ms(250)), ms(5));
+        assert_eq!(next_poll(ms(960), 960, 1000, ms(250)), ms(20));
     }
 
     #[test]
