@@ -11,12 +11,12 @@
 //! It reports applied blocks/s (from the `go` to the poll that sees the last batch applied;
 //! polls close in on the projected end, so that time is within a fiftieth of the poll
 //! interval: 1 ms up to 64 workers, 5 ms above), server CPU seconds per million blocks
-//! (`/proc/<pid>/stat` over the same span) and the index writer thread's per block, the
+//! (`/proc/<pid>/stat` over the same span), the index writer thread's CPU per block, the
 //! `/select` percentiles, the fleet's registration time and the server's threads,
-//! descriptors and resident memory. It fails
-//! unless every listener applied every batch with nothing lost or dropped, the index holds
-//! exactly the expected blocks and memberships, and probes of sampled workers' chains
-//! through `/overlap_scores` find them whole.
+//! descriptors and resident memory. It fails unless every listener applied every batch
+//! with nothing lost or dropped, the index holds exactly the expected blocks and
+//! memberships, and probes of sampled workers' chains through `/overlap_scores` find them
+//! whole.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
