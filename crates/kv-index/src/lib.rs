@@ -30,7 +30,9 @@
 //!   first child inline and only additional children in one map keyed by `(parent, local)`.
 //!   A chain written by one event is contiguous in the slab, so a lookup walks it with
 //!   sequential reads and one compare per block; a hash probe happens only at real branch
-//!   points. Owner sets are sorted `u32` worker slots, the first three inline (16 bytes).
+//!   points. The child map holds the child's id and 32 bits of its key's hash, and reads
+//!   the key from the child node (8 bytes per branch instead of 24; see the block maps
+//!   below). Owner sets are sorted `u32` worker slots, the first three inline (16 bytes).
 //! - **Per-worker block maps** (`external hash → node`, needed by removes and parent
 //!   checks) are hash tables holding the node id and 32 bits of the hash: the key is read
 //!   from the node's `external` (a referenced node is never freed, its hash never

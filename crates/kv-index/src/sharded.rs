@@ -53,6 +53,25 @@ const SHARD_CAPACITY: usize = SHARD_BUCKETS / 8 * 7;
 /// that agree in many directory bits get there, and their shard grows as a plain table.
 const MAX_DIR_PER_SHARD: usize = 8;
 
+/// The 32 bits of `key` an entry that names its key through a node keeps (a block
+/// table's `BlockEntry`, the child map's `BranchEntry`): the high half of a
+/// multiplicative hash, which every bit of `key` but the top one reaches.
+#[inline]
+pub(crate) fn hash_bits(key: u64) -> u32 {
+    (key.wrapping_mul(BITS_FACTOR) >> 32) as u32
+}
+
+/// An odd factor with bits spread over its whole width.
+pub(crate) const BITS_FACTOR: u64 = 0xD6E8_FEB8_6659_FD93;
+
+/// The table hash of an entry with [`hash_bits`] `bits`: the bits twice, so that
+/// `hashbrown`'s bucket index (low bits) and its control tag (top seven bits) come from
+/// different bits of them; the directory bits are a multiplicative spread of all.
+#[inline]
+pub(crate) fn table_hash(bits: u32) -> u64 {
+    u64::from(bits) * 0x1_0000_0001
+}
+
 /// Directory bits of `hash`: the high half of a multiplicative spread.
 #[inline]
 fn spread(hash: u64) -> usize {

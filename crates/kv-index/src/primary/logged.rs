@@ -8,7 +8,8 @@
 
 use std::ops::{Deref, Index, IndexMut};
 
-use crate::sharded::ShardedMap;
+use super::node::Node;
+use crate::sharded::{ShardedTable, hash_bits, table_hash};
 
 /// A vector whose changes note the index changed while the log is on.
 ///
@@ -145,38 +146,117 @@ impl<T> IndexMut<usize> for Logged<T> {
 
 /// The trie's child map (children other than a node's inline first child), keyed by
 /// (parent, local hash), whose changes are noted in order while the log is on.
+///
+/// An entry is the child's node id and 32 bits of its key's hash ([`BranchEntry`]); the
+/// key itself is read from the child node (its `parent` and `local`, which never change
+/// while it lives, and an entry lives no longer than its child). Eight bytes instead of a
+/// key-and-value pair's 24: a fill of the index writes every branch twice (the index and
+/// its mirror), and a smaller table is fewer cache misses and fresh pages per write. A
+/// lookup reads the child node only where the 32 bits match, which for a hit is the node
+/// the caller reads next anyway; an insert or a removal reads no node at all (an insert
+/// adds a child its parent lacks, a removal names the child it takes out), so a mirror
+/// replays the changes without its nodes being current.
 #[derive(Debug, Default)]
 pub(super) struct Branches {
-    map: ShardedMap<(u32, u64), u32>,
+    table: ShardedTable<BranchEntry>,
     on: bool,
-    /// `(key, child)` per change; a removal notes `NONE` as the child.
-    changes: Vec<((u32, u64), u32)>,
+    /// Each change, in order.
+    changes: Vec<BranchChange>,
+}
+
+/// An entry of [`Branches`]: a child and [`hash_bits`] of its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct BranchEntry {
+    bits: u32,
+    child: u32,
+}
+
+/// A change of [`Branches`], for a mirror to replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum BranchChange {
+    Added(BranchEntry),
+    Removed(BranchEntry),
+}
+
+/// The [`hash_bits`] of the key `(parent, local)`: the parent's id is spread over the
+/// whole word first, so one block's tokens under many parents (a repeated block) hash
+/// like distinct keys.
+#[inline]
+fn branch_bits(parent: u32, local: u64) -> u32 {
+    hash_bits(local ^ u64::from(parent).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+#[inline]
+fn entry_hash(e: &BranchEntry) -> u64 {
+    table_hash(e.bits)
 }
 
 impl Branches {
+    /// The child of `parent` under `local`, read against `nodes` (the trie's).
     #[inline]
-    pub(super) fn get(&self, key: &(u32, u64)) -> Option<&u32> {
-        self.map.get(key)
+    pub(super) fn get(&self, nodes: &[Node], parent: u32, local: u64) -> Option<u32> {
+        let bits = branch_bits(parent, local);
+        self.table
+            .find(table_hash(bits), |e| {
+                e.bits == bits && {
+                    let child = &nodes[e.child as usize];
+                    child.local == local && child.parent == parent
+                }
+            })
+            .map(|e| e.child)
+    }
+
+    /// Adds `child` under `(parent, local)`, which has no child there yet.
+    #[inline]
+    pub(super) fn insert(&mut self, parent: u32, local: u64, child: u32) {
+        let entry = BranchEntry {
+            bits: branch_bits(parent, local),
+            child,
+        };
+        if self.on {
+            self.changes.push(BranchChange::Added(entry));
+        }
+        self.table
+            .insert_unique(table_hash(entry.bits), entry, entry_hash);
+    }
+
+    /// Removes `child`, the child of `parent` under `local`.
+    #[inline]
+    pub(super) fn remove(&mut self, parent: u32, local: u64, child: u32) {
+        let entry = BranchEntry {
+            bits: branch_bits(parent, local),
+            child,
+        };
+        if self.on {
+            self.changes.push(BranchChange::Removed(entry));
+        }
+        self.take(entry);
     }
 
     #[inline]
-    pub(super) fn insert(&mut self, key: (u32, u64), child: u32) {
-        if self.on {
-            self.changes.push((key, child));
-        }
-        self.map.insert(key, child);
+    fn take(&mut self, entry: BranchEntry) {
+        let removed = self
+            .table
+            .remove(table_hash(entry.bits), |e| e.child == entry.child);
+        debug_assert_eq!(removed, Some(entry), "a branch removed twice");
     }
 
-    #[inline]
-    pub(super) fn remove(&mut self, key: &(u32, u64)) {
-        if self.on {
-            self.changes.push((*key, super::node::NONE));
+    /// Applies `changes`, another map's changes from where this one is equal to it (a
+    /// mirror catching up with its source).
+    pub(super) fn replay(&mut self, changes: &[BranchChange]) {
+        for &change in changes {
+            match change {
+                BranchChange::Added(entry) => {
+                    self.table
+                        .insert_unique(table_hash(entry.bits), entry, entry_hash);
+                }
+                BranchChange::Removed(entry) => self.take(entry),
+            }
         }
-        self.map.remove(key);
     }
 
     pub(super) fn allocation_size(&self) -> usize {
-        self.map.allocation_size()
+        self.table.allocation_size()
     }
 
     pub(super) fn log_on(&mut self) {
@@ -189,13 +269,13 @@ impl Branches {
     }
 
     /// Changes made while the log was on, in order.
-    pub(super) fn changes(&self) -> &[((u32, u64), u32)] {
+    pub(super) fn changes(&self) -> &[BranchChange] {
         &self.changes
     }
 
     /// Makes the map equal to `src`'s (O(children): a mirror's first copy).
     pub(super) fn copy_all_from(&mut self, src: &Branches) {
-        self.map.clone_from(&src.map);
+        self.table.clone_from(&src.table);
     }
 }
 
@@ -235,7 +315,9 @@ impl OwnLog {
 
 #[cfg(test)]
 mod tests {
-    use super::{Branches, Logged};
+    use super::{BranchChange, Branches, Logged, branch_bits};
+    use crate::primary::node::{NONE, Node};
+    use crate::primary::tests::colliding;
 
     #[test]
     fn only_changes_made_while_the_log_is_on_are_noted() {
@@ -260,13 +342,66 @@ mod tests {
         }
         assert_eq!(v.touched(), &[1, 2, 3, 1]);
 
+        let nodes = [
+            Node::new(NONE, 0, 0),
+            Node::new(0, 1, 0),
+            Node::new(0, 2, 0),
+        ];
         let mut m = Branches::default();
-        m.insert((0, 1), 1);
+        m.insert(0, 1, 1);
         m.log_on();
-        m.insert((0, 2), 2);
-        m.remove(&(0, 1));
+        m.insert(0, 2, 2);
+        m.remove(0, 1, 1);
         m.log_off();
-        m.remove(&(0, 2));
-        assert_eq!(m.changes(), &[((0, 2), 2), ((0, 1), u32::MAX)]);
+        let mut mirror = Branches::default();
+        mirror.insert(0, 1, 1);
+        mirror.replay(m.changes());
+        m.remove(0, 2, 2);
+        let [BranchChange::Added(added), BranchChange::Removed(removed)] = m.changes() else {
+            panic!("{:?}", m.changes());
+        };
+        assert_eq!((added.child, removed.child), (2, 1));
+        assert_eq!(mirror.get(&nodes, 0, 2), Some(2));
+        assert_eq!(mirror.get(&nodes, 0, 1), None);
+        assert_eq!(m.get(&nodes, 0, 2), None);
+    }
+
+    /// Keys whose 32 bits collide: every lookup is told apart by the child nodes, and
+    /// removals take the child they name.
+    #[test]
+    fn branches_whose_bits_collide_are_told_apart_by_their_nodes() {
+        let parent = 7u32;
+        let spread = u64::from(parent).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        // Locals whose keys with `parent` share their bits, then ordinary ones: enough
+        // for the table to split into shards around the colliding one.
+        let mut locals: Vec<u64> = colliding(0xb0a7, 1_200)
+            .into_iter()
+            .map(|k| k ^ spread)
+            .collect();
+        assert!(
+            locals
+                .iter()
+                .all(|&l| branch_bits(parent, l) == branch_bits(parent, locals[0]))
+        );
+        locals.extend((1..10_000u64).map(|i| i.wrapping_mul(0xA076_1D64_78BD_642F)));
+        let mut nodes: Vec<Node> = (0..=parent).map(|_| Node::new(NONE, 0, 0)).collect();
+        let mut m = Branches::default();
+        for &local in &locals {
+            let child = nodes.len() as u32;
+            nodes.push(Node::new(parent, local, 0));
+            m.insert(parent, local, child);
+        }
+        let child_of = |i: usize| parent + 1 + i as u32;
+        for (i, &local) in locals.iter().enumerate() {
+            assert_eq!(m.get(&nodes, parent, local), Some(child_of(i)), "{i}");
+            assert_eq!(m.get(&nodes, parent + 1, local), None, "{i}");
+        }
+        for (i, &local) in locals.iter().enumerate().step_by(3) {
+            m.remove(parent, local, child_of(i));
+        }
+        for (i, &local) in locals.iter().enumerate() {
+            let expected = (i % 3 != 0).then(|| child_of(i));
+            assert_eq!(m.get(&nodes, parent, local), expected, "{i}");
+        }
     }
 }

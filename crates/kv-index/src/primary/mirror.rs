@@ -54,13 +54,7 @@ impl PrefixIndex {
         for &id in src.nodes.touched() {
             self.nodes[id as usize].copy_from(&src.nodes[id as usize]);
         }
-        for &(key, child) in src.branches.changes() {
-            if child == NONE {
-                self.branches.remove(&key);
-            } else {
-                self.branches.insert(key, child);
-            }
-        }
+        self.branches.replay(src.branches.changes());
         let known = src.workers.base();
         self.workers.resize_with(src.workers.len(), || None);
         for &slot in src.workers.touched() {

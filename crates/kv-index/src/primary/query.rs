@@ -153,8 +153,8 @@ impl PrefixIndex {
                 }
                 fc
             } else if n.kids & KIDS > u32::from(fc != NONE) {
-                match self.branches.get(&(node, h.0)) {
-                    Some(&c) => c,
+                match self.branches.get(nodes, node, h.0) {
+                    Some(c) => c,
                     None => break,
                 }
             } else {

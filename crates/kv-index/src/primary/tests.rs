@@ -20,6 +20,25 @@ pub(super) fn q(locals: &[u64]) -> Vec<BlockHash> {
     locals.iter().map(|&l| BlockHash(l)).collect()
 }
 
+/// `n` keys from `start` whose [`hash_bits`] are all equal: steps of the inverse of the
+/// factor add one to the product, which leaves its high half alone while the low half
+/// does not carry.
+///
+/// [`hash_bits`]: crate::sharded::hash_bits
+pub(super) fn colliding(start: u64, n: u64) -> Vec<u64> {
+    use crate::sharded::BITS_FACTOR;
+    let mut inverse = BITS_FACTOR;
+    for _ in 0..6 {
+        inverse = inverse.wrapping_mul(2u64.wrapping_sub(BITS_FACTOR.wrapping_mul(inverse)));
+    }
+    assert_eq!(BITS_FACTOR.wrapping_mul(inverse), 1);
+    let base = start.wrapping_mul(BITS_FACTOR) & !0xFFFF_FFFF;
+    let first = base.wrapping_mul(inverse);
+    (0..n)
+        .map(|i| first.wrapping_add(i.wrapping_mul(inverse)))
+        .collect()
+}
+
 impl PrefixIndex {
     /// Checks the derived state the fast paths rely on.
     pub(super) fn check_invariants(&self) {

@@ -182,7 +182,7 @@ impl PrefixIndex {
             return Some(fc);
         }
         if p.kids & KIDS > u32::from(fc != NONE) {
-            self.branches.get(&(parent, local)).copied()
+            self.branches.get(&self.nodes, parent, local)
         } else {
             None
         }
@@ -232,7 +232,7 @@ impl PrefixIndex {
                 p.kids &= KIDS;
             }
         } else {
-            self.branches.insert((parent, local), id);
+            self.branches.insert(parent, local, id);
         }
         self.live_nodes += 1;
         id
@@ -323,7 +323,7 @@ impl PrefixIndex {
                 p.first_child = NONE;
                 p.kids &= KIDS;
             } else {
-                self.branches.remove(&(parent, local));
+                self.branches.remove(parent, local, node);
             }
             self.nodes[node as usize] = Node::new(NONE, 0, 0);
             self.free_nodes.push(node);

@@ -6,7 +6,7 @@ use kv_types::{ExternalHash, StoredBlock, WorkerKey};
 use super::logged::OwnLog;
 use super::node::Node;
 use crate::capacity::Capacity;
-use crate::sharded::{ShardedMap, ShardedTable};
+use crate::sharded::{ShardedMap, ShardedTable, hash_bits, table_hash};
 
 #[derive(Debug)]
 pub(super) struct WorkerState {
@@ -59,24 +59,6 @@ pub(super) struct BlockEntry {
     /// [`hash_bits`] of the node's `external`.
     bits: u32,
     pub(super) node: u32,
-}
-
-/// The 32 bits of `ext` a [`BlockEntry`] keeps: the high half of a multiplicative hash,
-/// which every bit of `ext` but the top one reaches.
-#[inline]
-fn hash_bits(ext: u64) -> u32 {
-    (ext.wrapping_mul(BITS_FACTOR) >> 32) as u32
-}
-
-/// An odd factor with bits spread over its whole width.
-const BITS_FACTOR: u64 = 0xD6E8_FEB8_6659_FD93;
-
-/// The table hash of an entry with `bits`: the bits twice, so that `hashbrown`'s bucket
-/// index (low bits) and its control tag (top seven bits) come from different bits of
-/// them; the directory bits of the sharded table are a multiplicative spread of all.
-#[inline]
-fn table_hash(bits: u32) -> u64 {
-    u64::from(bits) * 0x1_0000_0001
 }
 
 /// Whether `entry` is the entry of `ext` (with `bits` its [`hash_bits`]): the node is read
@@ -290,27 +272,12 @@ mod tests {
 
     use kv_types::{ExternalHash, WorkerKey};
 
-    use super::{BITS_FACTOR, WorkerState, hash_bits};
+    use super::WorkerState;
     use crate::primary::logged::OwnLog;
     use crate::primary::node::{NONE, Node};
-    use crate::primary::tests::{blocks, q};
+    use crate::primary::tests::{blocks, colliding, q};
+    use crate::sharded::hash_bits;
     use crate::{OverlapScores, PrefixIndex, PrefixIndexStats, StoreOutcome};
-
-    /// `n` external hashes from `start` whose [`hash_bits`] are all equal: steps of the
-    /// inverse of the factor add one to the product, which leaves its high half alone
-    /// while the low half does not carry.
-    fn colliding(start: u64, n: u64) -> Vec<u64> {
-        let mut inverse = BITS_FACTOR;
-        for _ in 0..6 {
-            inverse = inverse.wrapping_mul(2u64.wrapping_sub(BITS_FACTOR.wrapping_mul(inverse)));
-        }
-        assert_eq!(BITS_FACTOR.wrapping_mul(inverse), 1);
-        let base = start.wrapping_mul(BITS_FACTOR) & !0xFFFF_FFFF;
-        let first = base.wrapping_mul(inverse);
-        (0..n)
-            .map(|i| first.wrapping_add(i.wrapping_mul(inverse)))
-            .collect()
-    }
 
     /// A worker state holding `exts` (each the `external` of its own node) and the nodes,
     /// checked against a plain map as it goes.
