@@ -59,6 +59,10 @@ impl PrefixIndex {
                 }
             }
         };
+        // The first block's child lookup (a child-map probe where the chain branches off)
+        // goes before the block-table probes of `warm`, which do not wait for it, so
+        // their cache misses overlap with its.
+        let mut first = Some(self.child(start, blocks[0].tokens_hash.0));
         let slot = self.slot_for(worker);
         if let Some(state) = self.workers[slot as usize].as_ref() {
             state.warm(&self.nodes, blocks);
@@ -71,10 +75,10 @@ impl PrefixIndex {
         // is read back (see `alloc_node`).
         let mut cur_new = false;
         for block in blocks {
-            let existing = if cur_new {
-                None
-            } else {
-                self.child(cur, block.tokens_hash.0)
+            let existing = match first.take() {
+                Some(existing) => existing,
+                None if cur_new => None,
+                None => self.child(cur, block.tokens_hash.0),
             };
             let (child, gain) = match existing {
                 Some(c) => {
