@@ -184,7 +184,7 @@ impl Capacity {
     }
 
     /// The worker gained `node` (holding the block tagged `tag`), a child of `parent`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn gained(&mut self, node: u32, tag: u32, parent: u32) {
         self.order.push_back(entry(node, tag));
         if let Some(kids) = &mut self.kids {
