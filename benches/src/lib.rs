@@ -4,6 +4,7 @@
 //! ids, a seeded service configuration, the service fleet of [`service_fixture`]), so
 //! every bench measures the same work run after run.
 
+pub mod ingest_stream;
 pub mod service_fixture;
 
 /// Deterministic pseudo-random token ids, `n` of them, from `seed` (the pickers' seeded

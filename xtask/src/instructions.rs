@@ -7,6 +7,12 @@
 //! instruction count moves only when the code does. A hot-path change is judged by both:
 //! this count first, then criterion medians (docs/hot-path.md). Needs valgrind, which the
 //! CI machine does not have, so this is a developer tool and not part of `ci`.
+//!
+//! `--ingest` counts the KV-event ingest path instead: instructions per block of `bench
+//! ingest`'s default stream applied to a fresh partition without decoding or sockets
+//! (`benches/benches/ingest_instructions.rs`), as the server holds it by default (index,
+//! mirror and declared capacities) and in three lighter forms, so that a change to the
+//! store path is judged by a count the host's drift does not move.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,6 +36,12 @@ const MATRIX: [(u64, u64, bool); 9] = [
 /// The bench function whose inclusive cost is counted (`benches/benches/instructions.rs`).
 const MEASURED: &str = "instructions::measured_calls";
 
+/// The ingest bench's measured function (`benches/benches/ingest_instructions.rs`).
+const MEASURED_INGEST: &str = "ingest_instructions::measured_stream";
+
+/// What `--ingest` applies the stream to (the bench's `--cell` names).
+const INGEST_CELLS: [&str; 4] = ["two-copies-capacity", "two-copies", "one-copy", "index"];
+
 #[derive(Parser, Debug)]
 #[command(
     name = "cargo xtask instructions",
@@ -43,10 +55,14 @@ struct Args {
     /// WORKERS/TOKENS/approximate; repeatable.
     #[arg(long)]
     only: Vec<String>,
-    /// Also simulate the caches and report L1 instruction and data misses per cycle
-    /// (about twice as slow).
+    /// Also simulate the caches and report L1 instruction and data misses per cycle (or
+    /// per block with `--ingest`; about twice as slow).
     #[arg(long)]
     cache_sim: bool,
+    /// Count the KV-event ingest path (instructions per applied block of `bench ingest`'s
+    /// default stream) instead of the selection matrix.
+    #[arg(long, conflicts_with = "only")]
+    ingest: bool,
 }
 
 /// Entry point of `cargo xtask instructions ARGS`.
@@ -61,10 +77,17 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     ensure!(args.calls > 0, "--calls must be at least 1");
     let configs = selected(&args.only)?;
     check_valgrind()?;
-    let binary = build_bench()?;
     let out_dir = crate::root().join("target/instructions");
     std::fs::create_dir_all(&out_dir)
         .with_context(|| format!("failed to create {}", out_dir.display()))?;
+    if args.ingest {
+        return ingest(
+            &build_bench("ingest_instructions")?,
+            &out_dir,
+            args.cache_sim,
+        );
+    }
+    let binary = build_bench("instructions")?;
 
     println!(
         "| workers | tokens | mode | instructions per cycle |{}",
@@ -134,14 +157,14 @@ fn check_valgrind() -> Result<()> {
     }
 }
 
-/// Builds the `instructions` bench in the bench profile and returns its executable.
-fn build_bench() -> Result<PathBuf> {
+/// Builds the bench target `name` in the bench profile and returns its executable.
+fn build_bench(name: &str) -> Result<PathBuf> {
     let cargo_args = [
         "bench",
         "-p",
         "benches",
         "--bench",
-        "instructions",
+        name,
         "--no-run",
         "--message-format=json-render-diagnostics",
     ];
@@ -154,17 +177,63 @@ fn build_bench() -> Result<PathBuf> {
         .context("failed to start cargo")?;
     ensure!(
         out.status.success(),
-        "building the instructions bench failed ({})",
+        "building the {name} bench failed ({})",
         out.status
     );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|msg| {
-            msg["reason"] == "compiler-artifact" && msg["target"]["name"] == "instructions"
-        })
+        .filter(|msg| msg["reason"] == "compiler-artifact" && msg["target"]["name"] == name)
         .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
-        .context("cargo reported no executable for the instructions bench")
+        .with_context(|| format!("cargo reported no executable for the {name} bench"))
+}
+
+/// `--ingest`: one callgrind run of the ingest bench per cell, a table of counts per block.
+#[expect(
+    clippy::print_stdout,
+    reason = "the table is the task's output; progress goes to stderr"
+)]
+fn ingest(binary: &Path, out_dir: &Path, cache_sim: bool) -> Result<()> {
+    println!(
+        "| applied to | instructions per block |{}",
+        if cache_sim {
+            " D1 misses per block | LL misses per block |"
+        } else {
+            ""
+        }
+    );
+    println!("|---|---:|{}", if cache_sim { "---:|---:|" } else { "" });
+    for cell in INGEST_CELLS {
+        let out_file = out_dir.join(format!("callgrind.ingest.{cell}.out"));
+        let mut cmd = Command::new("valgrind");
+        cmd.arg("--tool=callgrind")
+            .arg(format!("--toggle-collect={MEASURED_INGEST}"))
+            .arg(format!("--callgrind-out-file={}", out_file.display()));
+        if cache_sim {
+            // The LL size of the machines this project is measured on (32 MiB); callgrind
+            // otherwise takes it from the host, which a VM may misreport.
+            cmd.args(["--cache-sim=yes", "--LL=33554432,16,64"]);
+        }
+        cmd.arg(binary).args(["--cell", cell]);
+        eprintln!("xtask: callgrind, ingest stream into {cell}");
+        let (counts, stdout) = run_collected(cmd, MEASURED_INGEST)?;
+        let blocks = applied_blocks(&stdout)
+            .with_context(|| format!("the ingest bench printed no block count:\n{stdout}"))?;
+        let per_block = |i: usize| counts.get(i).map_or(0.0, |&n| n as f64 / blocks as f64);
+        let misses = if cache_sim {
+            // Callgrind's events with the cache simulator: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr
+            // DLmw.
+            format!(
+                " {:.1} | {:.1} |",
+                per_block(4) + per_block(5),
+                per_block(7) + per_block(8)
+            )
+        } else {
+            String::new()
+        };
+        println!("| {cell} | {:.0} |{misses}", per_block(0));
+    }
+    Ok(())
 }
 
 /// Runs one configuration under callgrind; returns the events it collected inside the
@@ -194,15 +263,30 @@ fn count(
         cmd.arg("--approximate");
     }
     eprintln!("xtask: callgrind, {workers} workers, {tokens} tokens{suffix}");
+    Ok(run_collected(cmd, MEASURED)?.0)
+}
+
+/// The block count of the ingest bench's line (`... (wall, N blocks) ...`).
+fn applied_blocks(stdout: &str) -> Option<u64> {
+    let (_, rest) = stdout.split_once("(wall, ")?;
+    let (n, _) = rest.split_once(" blocks)")?;
+    n.parse().ok().filter(|&n| n > 0)
+}
+
+/// Runs `cmd` (a callgrind run collecting inside `measured`); returns the events of its
+/// `Collected` line (instructions first) and what the bench printed.
+fn run_collected(mut cmd: Command, measured: &str) -> Result<(Vec<u64>, String)> {
     let out = cmd.output().context("failed to start valgrind")?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure!(
         out.status.success(),
-        "the instructions bench failed under callgrind ({}):\n{stderr}",
+        "the bench failed under callgrind ({}):\n{stderr}",
         out.status
     );
-    collected(&stderr)
-        .with_context(|| format!("callgrind printed no `Collected` line for {MEASURED}:\n{stderr}"))
+    let counts = collected(&stderr).with_context(|| {
+        format!("callgrind printed no `Collected` line for {measured}:\n{stderr}")
+    })?;
+    Ok((counts, String::from_utf8_lossy(&out.stdout).into_owned()))
 }
 
 /// The event counts of callgrind's `==pid== Collected : n n n` summary line.
@@ -231,6 +315,14 @@ mod tests {
         );
         assert_eq!(collected("==12== I   refs: 5\n"), None);
         assert_eq!(collected("==12== Collected : lots\n"), None);
+    }
+
+    #[test]
+    fn reads_the_ingest_bench_block_count() {
+        let line = "TwoCopiesCapacity: 0.412 µs per block (wall, 4001792 blocks), 4002304 nodes\n";
+        assert_eq!(applied_blocks(line), Some(4_001_792));
+        assert_eq!(applied_blocks("(wall, 0 blocks)"), None);
+        assert_eq!(applied_blocks("0.4 µs per block"), None);
     }
 
     #[test]
