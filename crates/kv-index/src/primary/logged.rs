@@ -178,12 +178,25 @@ pub(super) enum BranchChange {
     Removed(BranchEntry),
 }
 
+/// Spreads a parent's id over the whole word before it is mixed into a key's hash.
+const PARENT_FACTOR: u64 = 0x9E37_79B9_7F4A_7C15;
+
 /// The [`hash_bits`] of the key `(parent, local)`: the parent's id is spread over the
 /// whole word first, so one block's tokens under many parents (a repeated block) hash
 /// like distinct keys.
 #[inline]
 fn branch_bits(parent: u32, local: u64) -> u32 {
-    hash_bits(local ^ u64::from(parent).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    hash_bits(local ^ u64::from(parent).wrapping_mul(PARENT_FACTOR))
+}
+
+impl BranchEntry {
+    #[inline]
+    fn new(parent: u32, local: u64, child: u32) -> Self {
+        BranchEntry {
+            bits: branch_bits(parent, local),
+            child,
+        }
+    }
 }
 
 #[inline]
@@ -209,28 +222,27 @@ impl Branches {
     /// Adds `child` under `(parent, local)`, which has no child there yet.
     #[inline]
     pub(super) fn insert(&mut self, parent: u32, local: u64, child: u32) {
-        let entry = BranchEntry {
-            bits: branch_bits(parent, local),
-            child,
-        };
+        let entry = BranchEntry::new(parent, local, child);
         if self.on {
             self.changes.push(BranchChange::Added(entry));
         }
-        self.table
-            .insert_unique(table_hash(entry.bits), entry, entry_hash);
+        self.put(entry);
     }
 
     /// Removes `child`, the child of `parent` under `local`.
     #[inline]
     pub(super) fn remove(&mut self, parent: u32, local: u64, child: u32) {
-        let entry = BranchEntry {
-            bits: branch_bits(parent, local),
-            child,
-        };
+        let entry = BranchEntry::new(parent, local, child);
         if self.on {
             self.changes.push(BranchChange::Removed(entry));
         }
         self.take(entry);
+    }
+
+    #[inline]
+    fn put(&mut self, entry: BranchEntry) {
+        self.table
+            .insert_unique(table_hash(entry.bits), entry, entry_hash);
     }
 
     #[inline]
@@ -246,10 +258,7 @@ impl Branches {
     pub(super) fn replay(&mut self, changes: &[BranchChange]) {
         for &change in changes {
             match change {
-                BranchChange::Added(entry) => {
-                    self.table
-                        .insert_unique(table_hash(entry.bits), entry, entry_hash);
-                }
+                BranchChange::Added(entry) => self.put(entry),
                 BranchChange::Removed(entry) => self.take(entry),
             }
         }
@@ -315,7 +324,7 @@ impl OwnLog {
 
 #[cfg(test)]
 mod tests {
-    use super::{BranchChange, Branches, Logged, branch_bits};
+    use super::{BranchChange, Branches, Logged, PARENT_FACTOR, branch_bits};
     use crate::primary::node::{NONE, Node};
     use crate::primary::tests::colliding;
 
@@ -371,7 +380,7 @@ mod tests {
     #[test]
     fn branches_whose_bits_collide_are_told_apart_by_their_nodes() {
         let parent = 7u32;
-        let spread = u64::from(parent).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let spread = u64::from(parent).wrapping_mul(PARENT_FACTOR);
         // Locals whose keys with `parent` share their bits, then ordinary ones: enough
         // for the table to split into shards around the colliding one.
         let mut locals: Vec<u64> = colliding(0xb0a7, 1_200)
