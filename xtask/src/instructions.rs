@@ -205,10 +205,7 @@ fn ingest(binary: &Path, out_dir: &Path, cache_sim: bool) -> Result<()> {
     println!("|---|---:|{}", if cache_sim { "---:|---:|" } else { "" });
     for cell in INGEST_CELLS {
         let out_file = out_dir.join(format!("callgrind.ingest.{cell}.out"));
-        let mut cmd = Command::new("valgrind");
-        cmd.arg("--tool=callgrind")
-            .arg(format!("--toggle-collect={MEASURED_INGEST}"))
-            .arg(format!("--callgrind-out-file={}", out_file.display()));
+        let mut cmd = callgrind(MEASURED_INGEST, &out_file);
         if cache_sim {
             // The LL size of the machines this project is measured on (32 MiB); callgrind
             // otherwise takes it from the host, which a VM may misreport.
@@ -248,10 +245,7 @@ fn count(
 ) -> Result<Vec<u64>> {
     let suffix = if approximate { ".approximate" } else { "" };
     let out_file = out_dir.join(format!("callgrind.{workers}.{tokens}{suffix}.out"));
-    let mut cmd = Command::new("valgrind");
-    cmd.arg("--tool=callgrind")
-        .arg(format!("--toggle-collect={MEASURED}"))
-        .arg(format!("--callgrind-out-file={}", out_file.display()));
+    let mut cmd = callgrind(MEASURED, &out_file);
     if args.cache_sim {
         cmd.arg("--cache-sim=yes");
     }
@@ -271,6 +265,16 @@ fn applied_blocks(stdout: &str) -> Option<u64> {
     let (_, rest) = stdout.split_once("(wall, ")?;
     let (n, _) = rest.split_once(" blocks)")?;
     n.parse().ok().filter(|&n| n > 0)
+}
+
+/// A callgrind command that collects only inside the function `measured` and writes its
+/// profile to `out_file`; the caller adds options, the program and its arguments.
+fn callgrind(measured: &str, out_file: &Path) -> Command {
+    let mut cmd = Command::new("valgrind");
+    cmd.arg("--tool=callgrind")
+        .arg(format!("--toggle-collect={measured}"))
+        .arg(format!("--callgrind-out-file={}", out_file.display()));
+    cmd
 }
 
 /// Runs `cmd` (a callgrind run collecting inside `measured`); returns the events of its
