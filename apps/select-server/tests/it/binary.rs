@@ -620,20 +620,26 @@ fn ingest_threads_run_lowered_beside_a_writer_thread() {
     ] {
         let server = Server::start(args);
         register_pair(&server, zport);
-        let own = thread_nice_values(&server, "select-server");
-        assert_eq!(own, [0], "{args:?}");
         // The two listeners get a thread each up to the default count, which leaves a core
         // to a writer thread.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let threads = if writer { (cores - 1).max(1) } else { cores }.min(2);
         // A listener's thread starts after its registration answers, and lowers itself
-        // once running: wait for both (an empty list would pass any check on its items).
+        // once running; every thread takes its name only once it runs (until then it has
+        // its creator's). On a loaded machine that can be late: wait for all of it (an
+        // empty list would pass any check on its items).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        let listeners = loop {
+        let (listeners, io, writers) = loop {
             let n = thread_nice_values(&server, "kv-events-");
-            let settled = n.len() == threads && n.iter().all(|&v| v == ingest);
+            let io = thread_nice_values(&server, "kv-zmq-io");
+            let w = thread_nice_values(&server, "kv-index-writer");
+            let settled = n.len() == threads
+                && n.iter().all(|&v| v == ingest)
+                && !io.is_empty()
+                && io.iter().all(|&v| v == ingest)
+                && w.len() == usize::from(writer);
             if settled || std::time::Instant::now() > deadline {
-                break n;
+                break (n, io, w);
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         };
@@ -642,14 +648,16 @@ fn ingest_threads_run_lowered_beside_a_writer_thread() {
             "{args:?}: {listeners:?}"
         );
         assert_eq!(listeners.len(), threads, "{args:?}: {listeners:?}");
-        let io = thread_nice_values(&server, "kv-zmq-io");
         assert!(
             !io.is_empty() && io.iter().all(|&v| v == ingest),
             "{args:?}: {io:?}"
         );
-        let writers = thread_nice_values(&server, "kv-index-writer");
         assert_eq!(writers.len(), usize::from(writer), "{args:?}");
         assert!(writers.iter().all(|&v| v == 0), "{args:?}: {writers:?}");
+        // Checked once every thread has its own name: only the main thread has the
+        // binary's.
+        let own = thread_nice_values(&server, "select-server");
+        assert_eq!(own, [0], "{args:?}");
     }
 }
 
