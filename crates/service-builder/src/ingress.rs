@@ -706,12 +706,19 @@ mod tests {
         };
         let ctx = super::named_context(0);
         // The I/O and reaper threads run from the first socket on, under the name, until
-        // the context ends (other tests' contexts can only add to the count).
-        let named = names()
-            .iter()
-            .filter(|n| *n == super::ZMQ_THREAD_NAME)
-            .count();
-        assert!(named >= 2, "{named} named: {:?}", names());
+        // the context ends (other tests' contexts can only add to the count). Each takes
+        // the name once it runs: wait for that, boundedly.
+        let named = || {
+            names()
+                .iter()
+                .filter(|n| *n == super::ZMQ_THREAD_NAME)
+                .count()
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while named() < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(named() >= 2, "{} named: {:?}", named(), names());
         drop(ctx);
     }
 
@@ -738,9 +745,18 @@ mod tests {
         .with_nice(7);
         let _group = ingress.groups.group().expect("group");
         let _lease = ingress.contexts.lease();
-        // The group's thread lowers itself once running: wait for it, boundedly.
+        // The group's thread lowers itself once running, and every thread takes its name
+        // once it runs: wait for both, boundedly.
+        let lowered_io = || {
+            nice_values(super::ZMQ_THREAD_NAME)
+                .iter()
+                .filter(|&&n| n == 7)
+                .count()
+        };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !nice_values("kv-events-").contains(&7) && std::time::Instant::now() < deadline {
+        while !(nice_values("kv-events-").contains(&7) && lowered_io() >= 2)
+            && std::time::Instant::now() < deadline
+        {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(
