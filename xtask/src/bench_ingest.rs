@@ -112,6 +112,12 @@ struct Args {
     /// that ceiling of the same round, which compares across windows and machines.
     #[arg(long)]
     no_ceiling: bool,
+    /// Skip the index floor: by default every round also applies the same stream in this
+    /// process to a partition as the server keeps it, on one thread (`index_floor.rs`),
+    /// and each rate is also given over that floor: the most the server's one index
+    /// writer could apply on this host in the same minutes.
+    #[arg(long)]
+    no_index_floor: bool,
     /// Run from this (debug) build of the xtask instead of rerunning it as a release build.
     #[arg(long)]
     debug_client: bool,
@@ -170,6 +176,11 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         );
     }
     let ceiling = !args.no_ceiling;
+    let floor_stream = if args.no_index_floor {
+        None
+    } else {
+        Some(crate::index_floor::Stream::decode(&workload)?)
+    };
     let mut runs: Vec<(&'static str, Run)> = Vec::with_capacity(args.rounds * 2);
     for round in 0..args.rounds {
         let last_round = round + 1 == args.rounds;
@@ -184,6 +195,19 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
             Some(rate)
         } else {
             None
+        };
+        let floor_rate = match &floor_stream {
+            Some(stream) => {
+                let took = stream.apply(&workload)?;
+                let rate = workload.stream_blocks() as f64 / took.as_secs_f64();
+                eprintln!(
+                    "xtask bench ingest: round {} (index floor): {:.2} M blocks/s",
+                    round + 1,
+                    rate / 1e6
+                );
+                Some(rate)
+            }
+            None => None,
         };
         for build in round_order(round, &test, baseline.as_ref()) {
             let stalls = (args.stall_probe_ms > 0)
@@ -205,6 +229,7 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
             run.stalls = stalls;
             run.page_us = page_us;
             run.ceiling = ceiling_rate;
+            run.floor = floor_rate;
             eprintln!(
                 "xtask bench ingest: round {} ({}): {}",
                 round + 1,
@@ -322,11 +347,13 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
             run.summary()
         );
     }
-    // The null sink receives every batch of a stream (its rate is not looked at).
+    // The null sink receives every batch of a stream, and the index floor applies it
+    // whole (their rates are not looked at).
     let started = Instant::now();
     crate::ingest_ceiling::null_sink(&workload)?;
+    crate::index_floor::Stream::decode(&workload)?.apply(&workload)?;
     eprintln!(
-        "xtask: bench ingest smoke test (null sink) passed in {:.1?}",
+        "xtask: bench ingest smoke test (null sink, index floor) passed in {:.1?}",
         started.elapsed()
     );
     Ok(())
@@ -373,6 +400,8 @@ struct Run {
     page_us: Option<f64>,
     /// Blocks/s of the round's null sink (`ingest_ceiling.rs`).
     ceiling: Option<f64>,
+    /// Blocks/s of the round's index floor (`index_floor.rs`).
+    floor: Option<f64>,
     /// The same selections as the service timed them (`kv_select_selection_duration_seconds`
     /// over the stream): from the request's arrival in the selection service to its answer,
     /// lock waits included, without the HTTP thread's or the client's waits for a core.
@@ -462,6 +491,11 @@ impl Run {
         self.ceiling.map_or(f64::NAN, |c| self.rate() / c)
     }
 
+    /// The rate over the round's index floor; NaN without one.
+    fn over_floor(&self) -> f64 {
+        self.floor.map_or(f64::NAN, |f| self.rate() / f)
+    }
+
     fn cpu_per_million(&self) -> Option<f64> {
         self.server_cpu
             .map(|c| c.as_secs_f64() * 1e6 / self.blocks as f64)
@@ -496,10 +530,16 @@ impl Run {
         format!(
             "{:.2} M blocks/s{}, {} s CPU per M blocks{}, /select p50 {:.0} µs p99 {:.0} µs ({} requests){}{}",
             self.rate() / 1e6,
-            self.ceiling.map_or_else(String::new, |_| format!(
-                " ({:.3} of the null sink)",
-                self.over_ceiling()
-            )),
+            match (self.ceiling, self.floor) {
+                (None, None) => String::new(),
+                (Some(_), None) => format!(" ({:.3} of the null sink)", self.over_ceiling()),
+                (None, Some(_)) => format!(" ({:.3} of the index floor)", self.over_floor()),
+                (Some(_), Some(_)) => format!(
+                    " ({:.3} of the null sink, {:.3} of the index floor)",
+                    self.over_ceiling(),
+                    self.over_floor()
+                ),
+            },
             self.cpu_per_million()
                 .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.3}")),
             match self.writer_us_per_block() {
@@ -818,6 +858,7 @@ async fn drive(
         stalls: None,
         page_us: None,
         ceiling: None,
+        floor: None,
         lookup_wait_max: Duration::from_secs_f64(lookup_wait_max),
         in_service,
         blocks: w.stream_blocks(),
@@ -1112,7 +1153,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         w.shared * 100.0
     );
     println!(
-        "round       M blocks/s  null sink  ÷ null sink  CPU s/M blocks  faults/k blocks  writer µs/block  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s  page (µs)"
+        "round       M blocks/s  null sink  ÷ null sink  index floor  ÷ floor  CPU s/M blocks  faults/k blocks  writer µs/block  published (s)  /select p50 (µs)  p99 (µs)  max (µs)  p99 less client waits (µs)  selects  in service: p99 ≤ (µs)  > 1 ms  lock waits  > 50 µs  behind writer  longest (µs)  step-asides  drains > 50 µs  register (s)  threads  fds  RSS (MiB)  HWM (MiB)  stalls/core-s  page (µs)"
     );
     let cpu = |r: &Run| r.cpu_per_million().unwrap_or(f64::NAN);
     for (i, (label, r)) in runs.iter().enumerate() {
@@ -1124,11 +1165,13 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             round.to_string()
         };
         println!(
-            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>15.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}  {:>9}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>11.3}  {:>7.3}  {:>14.3}  {:>15.1}  {:>15.3}  {:>13.2}  {:>16.0}  {:>8.0}  {:>8.0}  {:>26.0}  {:>7}  {:>23.0}  {:>6}  {:>10}  {:>7}  {:>13}  {:>12.0}  {:>11}  {:>14}  {:>11.2}  {:>7}  {:>3}  {:>9.1}  {:>9.1}  {:>13}  {:>9}",
             name,
             r.rate() / 1e6,
             r.ceiling.map_or(f64::NAN, |c| c / 1e6),
             r.over_ceiling(),
+            r.floor.map_or(f64::NAN, |f| f / 1e6),
+            r.over_floor(),
             cpu(r),
             r.faults_per_thousand(),
             r.writer_us_per_block(),
@@ -1175,7 +1218,7 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
         }
         let m = Medians::of(&of);
         println!(
-            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>14.3}  {:>15.1}  {:>15.3}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
+            "{:>10}  {:>10.3}  {:>9.3}  {:>11.3}  {:>11.3}  {:>7.3}  {:>14.3}  {:>15.1}  {:>15.3}  {:>13}  {:>16.0}  {:>8.0}  {:>8}  {:>26.0}  {:>7}  {:>23}  {:>6}  {:>10}  {:>7.0}  {:>13.0}",
             if compared {
                 format!("median {label}")
             } else {
@@ -1184,6 +1227,8 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
             m.rate,
             m.ceiling,
             m.over_ceiling,
+            m.floor,
+            m.over_floor,
             m.cpu,
             m.faults,
             m.writer,
@@ -1203,9 +1248,10 @@ fn print_table(w: &Workload, runs: &[(&'static str, Run)], compared: bool) {
     }
     if let [base, test] = medians.as_slice() {
         println!(
-            "test / base (medians): M blocks/s ×{:.3} (over the null sink ×{:.3}), CPU per M blocks ×{:.3}, page faults ×{:.3}, writer CPU per block ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
+            "test / base (medians): M blocks/s ×{:.3} (over the null sink ×{:.3}, over the index floor ×{:.3}), CPU per M blocks ×{:.3}, page faults ×{:.3}, writer CPU per block ×{:.3}, /select p99 ×{:.2}, p99 less client waits ×{:.2}, lookups over 50 µs ×{:.2}, behind the writer ×{:.2}",
             test.rate / base.rate,
             test.over_ceiling / base.over_ceiling,
+            test.over_floor / base.over_floor,
             test.cpu / base.cpu,
             test.faults / base.faults,
             test.writer / base.writer,
@@ -1223,6 +1269,9 @@ struct Medians {
     /// The null sink's M blocks/s and each run's rate over its round's.
     ceiling: f64,
     over_ceiling: f64,
+    /// The index floor's M blocks/s and each run's rate over its round's.
+    floor: f64,
+    over_floor: f64,
     cpu: f64,
     /// Server minor page faults per thousand blocks.
     faults: f64,
@@ -1242,6 +1291,8 @@ impl Medians {
             rate: m(&|r| r.rate() / 1e6),
             ceiling: m(&|r| r.ceiling.map_or(f64::NAN, |c| c / 1e6)),
             over_ceiling: m(&|r| r.over_ceiling()),
+            floor: m(&|r| r.floor.map_or(f64::NAN, |f| f / 1e6)),
+            over_floor: m(&|r| r.over_floor()),
             cpu: m(&|r| r.cpu_per_million().unwrap_or(f64::NAN)),
             faults: m(&|r| r.faults_per_thousand()),
             writer: m(&|r| r.writer_us_per_block()),
@@ -1416,6 +1467,13 @@ mod tests {
         assert!(
             !a.no_ceiling,
             "every round measures the null sink unless told not to"
+        );
+        assert!(
+            !a.no_index_floor
+                && Args::try_parse_from(["x", "--no-index-floor"])
+                    .unwrap()
+                    .no_index_floor,
+            "every round measures the index floor unless told not to"
         );
         assert!(
             Args::try_parse_from(["x", "--no-ceiling"])

@@ -36,6 +36,7 @@ mod bench_http;
 mod bench_ingest;
 mod bench_wrk;
 mod flood;
+mod index_floor;
 mod ingest_ceiling;
 mod ingest_workload;
 mod instructions;
