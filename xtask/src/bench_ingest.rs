@@ -124,6 +124,9 @@ struct Args {
     /// Internal: be the publisher process.
     #[arg(long, hide = true)]
     publish: bool,
+    /// Internal: be the index floor's process (`index_floor.rs`).
+    #[arg(long, hide = true)]
+    index_floor_child: bool,
 }
 
 impl Args {
@@ -149,6 +152,9 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     let workload = args.workload();
     if args.publish {
         return crate::ingest_workload::publish(&workload);
+    }
+    if args.index_floor_child {
+        return crate::index_floor::child_main(&workload);
     }
     workload.validate()?;
     ensure!(args.rounds > 0, "--rounds must be at least 1");
@@ -176,11 +182,6 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         );
     }
     let ceiling = !args.no_ceiling;
-    let floor_stream = if args.no_index_floor {
-        None
-    } else {
-        Some(crate::index_floor::Stream::decode(&workload)?)
-    };
     let mut runs: Vec<(&'static str, Run)> = Vec::with_capacity(args.rounds * 2);
     for round in 0..args.rounds {
         let last_round = round + 1 == args.rounds;
@@ -196,18 +197,17 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         } else {
             None
         };
-        let floor_rate = match &floor_stream {
-            Some(stream) => {
-                let took = stream.apply(&workload)?;
-                let rate = workload.stream_blocks() as f64 / took.as_secs_f64();
-                eprintln!(
-                    "xtask bench ingest: round {} (index floor): {:.2} M blocks/s",
-                    round + 1,
-                    rate / 1e6
-                );
-                Some(rate)
-            }
-            None => None,
+        let floor_rate = if args.no_index_floor {
+            None
+        } else {
+            let took = crate::index_floor::measure(&workload)?;
+            let rate = workload.stream_blocks() as f64 / took.as_secs_f64();
+            eprintln!(
+                "xtask bench ingest: round {} (index floor): {:.2} M blocks/s",
+                round + 1,
+                rate / 1e6
+            );
+            Some(rate)
         };
         for build in round_order(round, &test, baseline.as_ref()) {
             let stalls = (args.stall_probe_ms > 0)
@@ -351,7 +351,7 @@ pub(crate) fn smoke(root: &Path) -> Result<()> {
     // whole (their rates are not looked at).
     let started = Instant::now();
     crate::ingest_ceiling::null_sink(&workload)?;
-    crate::index_floor::Stream::decode(&workload)?.apply(&workload)?;
+    crate::index_floor::measure(&workload)?;
     eprintln!(
         "xtask: bench ingest smoke test (null sink, index floor) passed in {:.1?}",
         started.elapsed()

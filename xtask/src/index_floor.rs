@@ -1,7 +1,8 @@
 //! The floor `cargo xtask bench ingest` sets beside the null sink: the round's stream
 //! applied in this (driver) process to a partition as the server keeps it by default (the
-//! index and its lookup mirror, every worker with its declared capacity), on one thread,
-//! with no sockets, no decoding in the timing, no lookups and no other thread of ours.
+//! index and its lookup mirror, every worker with its declared capacity, a writer thread
+//! that applies the batches in turns of the server's length), with no sockets, no
+//! decoding in the timing and no lookups: this thread only hands over decoded batches.
 //!
 //! The server's index writer is one thread per partition, so the rate this reaches is the
 //! most the server could apply in the same minutes whatever its listeners, sockets and
@@ -10,22 +11,79 @@
 //! index's own work on this host or by the rest of the server: the server's rate over this
 //! floor compares across windows where the rate alone does not.
 //!
+//! Each floor runs in a child process of its own (`--index-floor-child`), as the server
+//! does: a fresh process's heap faults every page in as the server's does, where memory
+//! this process freed would come back from the allocator already resident, and the page
+//! probe that follows would time the allocator instead of the machine.
+//!
 //! The batches are the publisher's own bytes (`Workload::batch`), decoded and normalized
 //! once with the listeners' `Normalizer`, so the operations are exactly what the server's
-//! writer applies; only their order differs (worker by worker within each batch round,
-//! where the server takes them as they arrive).
+//! writer applies, in the order a listener reads them from full queues: runs of a
+//! worker's batches, a read burst long, worker after worker.
 
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use kv_events::Normalizer;
-use kv_index::{IndexCell, IndexCopies, KvIndex};
+use kv_index::{IndexCell, IndexCopies, IndexWriter, KvIndex};
 use kv_types::{KvOperation, WorkerKey};
 
 use crate::ingest_workload::Workload;
 
 /// Block size every `bench ingest` worker registers with.
 const BLOCK_SIZE: u32 = 16;
+
+/// Batches a listener reads from one socket before it turns to the next (`BURST` in
+/// kv-events' `listener/worker.rs`): with the publisher's queues full, the server's writer
+/// takes each worker's batches in runs this long, and so does the floor.
+const READ_BURST: usize = 64;
+
+/// The writer's step-aside interval: select-server's default (`--kv-writer-step-aside-us`),
+/// which also sets how many batches a writer's turn applies before the mirror copies them.
+const STEP_ASIDE: Duration = Duration::from_micros(250);
+
+/// Runs the floor of `w` in a child process and returns the time its writes took.
+pub(crate) fn measure(w: &Workload) -> Result<Duration> {
+    let exe = std::env::current_exe().context("cannot locate the running xtask")?;
+    let mut command = Command::new(exe);
+    command
+        .args(["bench", "ingest", "--index-floor-child"])
+        .args(["--workers", &w.workers.to_string()])
+        .args(["--batches", &w.batches.to_string()])
+        .args(["--events", &w.events.to_string()])
+        .args(["--blocks", &w.blocks.to_string()])
+        .args(["--shared", &w.shared.to_string()])
+        .args(["--capacity-blocks", &w.declared_capacity().to_string()]);
+    if let Some(r) = w.retain {
+        command.args(["--retain-events", &r.to_string()]);
+    }
+    let out = command
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .context("failed to start the index floor process")?;
+    if !out.status.success() {
+        bail!("the index floor process failed ({})", out.status);
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let seconds: f64 = text
+        .trim()
+        .parse()
+        .with_context(|| format!("the index floor process printed {text:?}"))?;
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// The child's side of [`measure`]: decodes, applies, and prints the seconds the writes took.
+#[expect(
+    clippy::print_stdout,
+    reason = "the parent reads the figure from the child's output"
+)]
+pub(crate) fn child_main(w: &Workload) -> Result<()> {
+    let took = Stream::decode(w)?.apply(w)?;
+    println!("{}", took.as_secs_f64());
+    Ok(())
+}
 
 /// The stream of one run as the server's writer receives it: a batch per message.
 pub(crate) struct Stream {
@@ -60,30 +118,51 @@ impl Stream {
         Ok(Stream { batches })
     }
 
-    /// Applies the stream to a fresh default partition and returns the time the writes
-    /// took (the partition's creation and drop not included), after checking that it holds
-    /// what the server must: every node and membership of the workload, its evictions.
+    /// Applies the stream to a fresh default partition through its writer thread, as the
+    /// server's listeners hand their batches over, and returns the time from the first
+    /// hand-over to the last batch applied (the partition's creation, the prefixes and the
+    /// drop not included). Then checks that it holds what the server must: every
+    /// membership of the workload, and every node where nothing was evicted.
     pub(crate) fn apply(&self, w: &Workload) -> Result<Duration> {
         let capacity = u32::try_from(w.declared_capacity()).unwrap_or(u32::MAX);
-        let workers = w.workers;
-        let cell = IndexCell::new(IndexCopies::Two, None, move || {
-            let mut index = KvIndex::with_block_size(BLOCK_SIZE);
-            for id in 0..workers {
-                index.set_capacity(WorkerKey::new(id, 0), Some(capacity));
-            }
-            index
-        });
-        // The prefix batches are the same in every run and not counted in the stream's
-        // blocks: applied before the clock starts, as the server has them before its `go`.
-        let (prefixes, stream) = self.batches.split_at(w.workers as usize);
+        let ids = w.workers;
+        let cell = IndexCell::with_writer(
+            IndexCopies::Two,
+            IndexWriter::Thread,
+            Some(STEP_ASIDE),
+            move || {
+                let mut index = KvIndex::with_block_size(BLOCK_SIZE);
+                for id in 0..ids {
+                    index.set_capacity(WorkerKey::new(id, 0), Some(capacity));
+                }
+                index
+            },
+        )
+        .context("index floor: cannot start the writer thread")?;
+        // The writer thread keeps the vectors it is handed: each run hands over a copy,
+        // made before the clock starts.
+        let mut batches = self.batches.clone();
+        let workers = w.workers as usize;
+        let (prefixes, stream) = batches.split_at_mut(workers);
+        // The prefix batches are not counted in the stream's blocks: applied before the
+        // clock starts, as the server has them before its `go`.
         for batch in prefixes {
-            cell.apply_batch(batch);
+            cell.apply_batch_owned(batch);
         }
+        cell.settle();
+        // `stream` is seq-major (every worker's batch of one seq, then the next seq's).
+        let seqs = stream.len() / workers.max(1);
         let started = Instant::now();
-        for batch in stream {
-            cell.apply_batch(batch);
+        for first in (0..seqs).step_by(READ_BURST) {
+            for id in 0..workers {
+                for seq in first..(first + READ_BURST).min(seqs) {
+                    cell.apply_batch_owned(&mut stream[seq * workers + id]);
+                }
+            }
         }
+        cell.settle();
         let took = started.elapsed();
+        drop(batches);
         let stats = cell.read_whole().primary_stats();
         let expected_nodes = if w.evictions() == 0 {
             Some(w.nodes())
