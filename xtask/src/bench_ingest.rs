@@ -185,30 +185,19 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     let mut runs: Vec<(&'static str, Run)> = Vec::with_capacity(args.rounds * 2);
     for round in 0..args.rounds {
         let last_round = round + 1 == args.rounds;
-        let ceiling_rate = if ceiling {
-            let took = crate::ingest_ceiling::null_sink(&workload)?;
-            let rate = workload.stream_blocks() as f64 / took.as_secs_f64();
-            eprintln!(
-                "xtask bench ingest: round {} (null sink): {:.2} M blocks/s",
-                round + 1,
-                rate / 1e6
-            );
-            Some(rate)
-        } else {
-            None
-        };
-        let floor_rate = if args.no_index_floor {
-            None
-        } else {
-            let took = crate::index_floor::measure(&workload)?;
-            let rate = workload.stream_blocks() as f64 / took.as_secs_f64();
-            eprintln!(
-                "xtask bench ingest: round {} (index floor): {:.2} M blocks/s",
-                round + 1,
-                rate / 1e6
-            );
-            Some(rate)
-        };
+        let ceiling_rate = ceiling
+            .then(|| {
+                reference_rate(
+                    &workload,
+                    round,
+                    "null sink",
+                    crate::ingest_ceiling::null_sink,
+                )
+            })
+            .transpose()?;
+        let floor_rate = (!args.no_index_floor)
+            .then(|| reference_rate(&workload, round, "index floor", crate::index_floor::measure))
+            .transpose()?;
         for build in round_order(round, &test, baseline.as_ref()) {
             let stalls = (args.stall_probe_ms > 0)
                 .then(|| crate::stall_probe::probe(Duration::from_millis(args.stall_probe_ms)));
@@ -241,6 +230,24 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     }
     print_table(&workload, &runs, baseline.is_some());
     Ok(())
+}
+
+/// Blocks/s of one of a round's references (`measure` returns how long the stream took),
+/// reported as it is measured.
+fn reference_rate(
+    w: &Workload,
+    round: usize,
+    name: &str,
+    measure: fn(&Workload) -> Result<Duration>,
+) -> Result<f64> {
+    let took = measure(w)?;
+    let rate = w.stream_blocks() as f64 / took.as_secs_f64();
+    eprintln!(
+        "xtask bench ingest: round {} ({name}): {:.2} M blocks/s",
+        round + 1,
+        rate / 1e6
+    );
+    Ok(rate)
 }
 
 /// How long ago `binary` was written, for the run's header.
@@ -1486,6 +1493,31 @@ mod tests {
         let q = Args::try_parse_from(["x", "--server-arg=--kv-listener-threads=1"]).unwrap();
         assert_eq!(q.server_args, ["--kv-listener-threads=1"]);
         assert!(Args::try_parse_from(["x", "--workers", "x"]).is_err());
+    }
+
+    #[test]
+    fn a_child_process_gets_the_same_workload() {
+        for given in [
+            vec![],
+            vec!["--workers", "2048", "--batches", "8", "--shared", "0.25"],
+            vec![
+                "--capacity-blocks",
+                "50000",
+                "--retain-events",
+                "7816",
+                "--blocks",
+                "3",
+            ],
+        ] {
+            let w = Args::try_parse_from(std::iter::once("x").chain(given))
+                .unwrap()
+                .workload();
+            let args = w.child_args();
+            let child =
+                Args::try_parse_from(std::iter::once("x").chain(args.iter().map(String::as_str)))
+                    .unwrap();
+            assert_eq!(child.workload(), w);
+        }
     }
 
     #[test]

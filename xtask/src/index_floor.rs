@@ -49,15 +49,7 @@ pub(crate) fn measure(w: &Workload) -> Result<Duration> {
     let mut command = Command::new(exe);
     command
         .args(["bench", "ingest", "--index-floor-child"])
-        .args(["--workers", &w.workers.to_string()])
-        .args(["--batches", &w.batches.to_string()])
-        .args(["--events", &w.events.to_string()])
-        .args(["--blocks", &w.blocks.to_string()])
-        .args(["--shared", &w.shared.to_string()])
-        .args(["--capacity-blocks", &w.declared_capacity().to_string()]);
-    if let Some(r) = w.retain {
-        command.args(["--retain-events", &r.to_string()]);
-    }
+        .args(w.child_args());
     let out = command
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())

@@ -100,6 +100,28 @@ impl Workload {
         Ok(())
     }
 
+    /// The flags of `bench ingest` that give a child process (the publisher, the index
+    /// floor) this workload.
+    pub(crate) fn child_args(&self) -> Vec<String> {
+        let mut args: Vec<String> = [
+            ("--workers", self.workers.to_string()),
+            ("--batches", self.batches.to_string()),
+            ("--events", self.events.to_string()),
+            ("--blocks", self.blocks.to_string()),
+            ("--shared", self.shared.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_owned(), value])
+        .collect();
+        if let Some(c) = self.capacity {
+            args.extend(["--capacity-blocks".to_owned(), c.to_string()]);
+        }
+        if let Some(r) = self.retain {
+            args.extend(["--retain-events".to_owned(), r.to_string()]);
+        }
+        args
+    }
+
     /// The `total_kv_blocks` each worker declares.
     pub(crate) fn declared_capacity(&self) -> u64 {
         self.capacity.unwrap_or(DEFAULT_CAPACITY)
@@ -404,19 +426,9 @@ pub(crate) struct Publisher {
 impl Publisher {
     pub(crate) fn start(w: &Workload) -> Result<Self> {
         let exe = std::env::current_exe().context("cannot locate the running xtask")?;
-        // The workload as the publisher needs it: what it sends (not the capacity).
-        let retain = w
-            .retain
-            .map(|r| vec!["--retain-events".to_owned(), r.to_string()])
-            .unwrap_or_default();
         let mut child = Command::new(exe)
             .args(["bench", "ingest", "--publish"])
-            .args(["--workers", &w.workers.to_string()])
-            .args(["--batches", &w.batches.to_string()])
-            .args(["--events", &w.events.to_string()])
-            .args(["--blocks", &w.blocks.to_string()])
-            .args(["--shared", &w.shared.to_string()])
-            .args(retain)
+            .args(w.child_args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
