@@ -768,7 +768,7 @@ fn process_cpu_time(pid: u32) -> Option<Duration> {
 /// Minor page faults of process `pid` so far (`/proc/<pid>/stat` field 10): on a VM whose
 /// fresh pages are expensive, the figure that says how much of a run went to growing
 /// memory.
-fn process_minor_faults(pid: u32) -> Option<u64> {
+pub(crate) fn process_minor_faults(pid: u32) -> Option<u64> {
     let [minflt] = stat_fields(pid, 10)?;
     Some(minflt)
 }

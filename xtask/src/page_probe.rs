@@ -14,12 +14,17 @@ use std::time::{Duration, Instant};
 /// bound: the probe then faults fewer times than it counts.
 const PAGE: usize = 4096;
 
-/// Microseconds per fresh page over `mib` MiB of fresh memory (`None` for 0 MiB).
+/// Microseconds per fresh page over `mib` MiB of fresh memory (`None` for 0 MiB, and
+/// where the memory turned out not to be fresh).
 pub(crate) fn probe(mib: usize) -> Option<f64> {
     let len = mib.checked_mul(1 << 20).filter(|&len| len > 0)?;
+    let pid = std::process::id();
+    let faults_before = crate::bench_http::process_minor_faults(pid);
     let started = Instant::now();
-    // Zeroed memory of this size comes straight from a fresh mapping: no page is resident
-    // until it is written.
+    // Zeroed memory of this size usually comes straight from a fresh mapping, with no
+    // page resident until it is written. Not always: an allocator that kept a freed chunk
+    // this large hands it out again, zeroed by `memset`, and the writes below then time
+    // that instead of the machine. The fault count says which it was.
     let mut memory = vec![0u8; len];
     for i in (0..len).step_by(PAGE) {
         memory[i] = 1;
@@ -28,7 +33,26 @@ pub(crate) fn probe(mib: usize) -> Option<f64> {
     std::hint::black_box(&memory);
     let took = started.elapsed();
     drop(memory);
+    let faults = faults_before
+        .zip(crate::bench_http::process_minor_faults(pid))
+        .map(|(before, after)| after.saturating_sub(before));
+    if let Some(faults) = faults
+        && !were_fresh(len, faults)
+    {
+        eprintln!(
+            "xtask: page probe: {faults} page faults for {} pages: the allocator reused \
+             resident memory, so no figure",
+            len.div_ceil(PAGE)
+        );
+        return None;
+    }
     Some(per_page_us(took, len))
+}
+
+/// Whether `faults` page faults over `len` bytes of writes mean the pages were fresh: at
+/// least half of them faulted (a larger page makes fewer faults; see [`PAGE`]).
+fn were_fresh(len: usize, faults: u64) -> bool {
+    faults.saturating_mul(2) >= len.div_ceil(PAGE) as u64
 }
 
 fn per_page_us(took: Duration, len: usize) -> f64 {
@@ -46,9 +70,20 @@ mod tests {
     }
 
     #[test]
+    fn memory_that_did_not_fault_is_not_fresh() {
+        let pages = 1024;
+        assert!(were_fresh(pages * PAGE, pages as u64));
+        assert!(were_fresh(pages * PAGE, pages as u64 / 2));
+        assert!(!were_fresh(pages * PAGE, pages as u64 / 2 - 1));
+        assert!(!were_fresh(pages * PAGE, 0));
+    }
+
+    #[test]
     fn a_probe_measures_something_and_zero_mib_is_none() {
         assert_eq!(probe(0), None);
-        let us = probe(4).expect("4 MiB probed");
+        // 64 MiB is past glibc's largest mmap threshold (32 MiB), so the allocator maps
+        // it afresh unless it holds a freed chunk that large, which these tests never free.
+        let us = probe(64).expect("64 MiB probed");
         assert!(us > 0.0 && us.is_finite(), "{us}");
     }
 }
