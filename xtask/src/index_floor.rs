@@ -1,8 +1,9 @@
 //! The floor `cargo xtask bench ingest` sets beside the null sink: the round's stream
-//! applied in this (driver) process to a partition as the server keeps it by default (the
+//! applied to a partition as the server keeps it by default (the
 //! index and its lookup mirror, every worker with its declared capacity, a writer thread
 //! that applies the batches in turns of the server's length), with no sockets, no
-//! decoding in the timing and no lookups: this thread only hands over decoded batches.
+//! decoding in the timing and no lookups: the calling thread only hands over decoded
+//! batches.
 //!
 //! The server's index writer is one thread per partition, so the rate this reaches is the
 //! most the server could apply in the same minutes whatever its listeners, sockets and
@@ -25,19 +26,14 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kv_events::Normalizer;
+use kv_events::{Normalizer, READ_BURST};
 use kv_index::{IndexCell, IndexCopies, IndexWriter, KvIndex};
 use kv_types::{KvOperation, WorkerKey};
 
 use crate::ingest_workload::Workload;
 
 /// Block size every `bench ingest` worker registers with.
-const BLOCK_SIZE: u32 = 16;
-
-/// Batches a listener reads from one socket before it turns to the next (`BURST` in
-/// kv-events' `listener/worker.rs`): with the publisher's queues full, the server's writer
-/// takes each worker's batches in runs this long, and so does the floor.
-const READ_BURST: usize = 64;
+const BLOCK_SIZE: u32 = crate::ingest_workload::BLOCK_SIZE as u32;
 
 /// The writer's step-aside interval: select-server's default (`--kv-writer-step-aside-us`),
 /// which also sets how many batches a writer's turn applies before the mirror copies them.
@@ -115,7 +111,7 @@ impl Stream {
     /// hand-over to the last batch applied (the partition's creation, the prefixes and the
     /// drop not included). Then checks that it holds what the server must: every
     /// membership of the workload, and every node where nothing was evicted.
-    pub(crate) fn apply(&self, w: &Workload) -> Result<Duration> {
+    pub(crate) fn apply(self, w: &Workload) -> Result<Duration> {
         let capacity = u32::try_from(w.declared_capacity()).unwrap_or(u32::MAX);
         let ids = w.workers;
         let cell = IndexCell::with_writer(
@@ -131,9 +127,8 @@ impl Stream {
             },
         )
         .context("index floor: cannot start the writer thread")?;
-        // The writer thread keeps the vectors it is handed: each run hands over a copy,
-        // made before the clock starts.
-        let mut batches = self.batches.clone();
+        // The writer thread keeps the vectors it is handed.
+        let mut batches = self.batches;
         let workers = w.workers as usize;
         let (prefixes, stream) = batches.split_at_mut(workers);
         // The prefix batches are not counted in the stream's blocks: applied before the

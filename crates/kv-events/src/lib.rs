@@ -99,7 +99,7 @@ pub use decode::{
 pub use endpoint::{EndpointError, validate_endpoint};
 pub use listener::{
     DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_RECEIVE_HWM, DEFAULT_REPLAY_TIMEOUT, KvEventListener,
-    KvEventSink, ListenerConfig, ListenerError, ListenerGroup, ListenerState,
+    KvEventSink, ListenerConfig, ListenerError, ListenerGroup, ListenerState, READ_BURST,
 };
 pub use normalize::{FilterReason, Normalizer, TruncateReason};
 pub use priority::{MAX_NICE, lower_thread_priority};

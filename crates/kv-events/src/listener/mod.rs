@@ -37,3 +37,4 @@ pub use config::{
     ListenerConfig, ListenerError, ListenerState,
 };
 pub use handle::{KvEventListener, ListenerGroup};
+pub use worker::READ_BURST;

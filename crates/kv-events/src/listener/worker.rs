@@ -21,8 +21,9 @@ use crate::stats::{DropReason, ListenerStats};
 use crate::watermark::{SeqObservation, Watermark};
 
 /// Messages one listener may handle per poll round before the group polls again, so that a
-/// flooding publisher cannot starve the rest of its group.
-const BURST: usize = 64;
+/// flooding publisher cannot starve the rest of its group. Public for benches that hand an
+/// index batches in the order a listener reads full queues.
+pub const READ_BURST: usize = 64;
 /// Monitor events read per listener and poll round.
 const MONITOR_BURST: usize = 64;
 /// Decoded batches a listener holds before it hands them to the sink in one call
@@ -246,7 +247,7 @@ impl Worker {
         }
     }
 
-    /// Reads up to [`BURST`] messages of the current socket. Clears its ready flag only when
+    /// Reads up to [`READ_BURST`] messages of the current socket. Clears its ready flag only when
     /// `ZMQ_EVENTS` shows it empty, so a listener cut off by the burst limit is let back in
     /// without waiting for an edge. `Err` ends the listener. Every batch it decoded has
     /// reached the sink when it returns.
@@ -257,7 +258,7 @@ impl Worker {
     }
 
     fn read_burst(&mut self, registry: &mio::Registry) -> Result<(), ListenerState> {
-        for _ in 0..BURST {
+        for _ in 0..READ_BURST {
             if self.stopping() {
                 break;
             }
